@@ -1,0 +1,255 @@
+"""Image tower: Vision-RWKV 6 (``Image_RWKV``), state-dict compatible with RWKV-CLIP.
+
+Patch embedding -> learned position embedding -> ``depth`` RWKV blocks (spatial mix
+with a 2-D q-shift and bidirectional WKV, then channel mix) -> final LayerNorm ``ln1``.
+Parameters are created in the original's order, so a seeded CPU build draws the same
+random numbers as the original.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.utils.checkpoint as cp
+from torch import nn
+
+from .layers import DropPath, PatchEmbed, q_shift_multihead, resize_pos_embed
+from .layers.time_mix import (TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM, TimeMixBase,
+                              fancy_bonus_init, fancy_decay_init, fancy_time_mix_init)
+
+
+class VRWKV_SpatialMix_V6(TimeMixBase):
+    def __init__(self, n_embd: int, n_head: int, n_layer: int, layer_id: int,
+                 shift_mode: str = "q_shift_multihead", shift_pixel: int = 1,
+                 init_mode: str = "fancy", key_norm: bool = False,
+                 with_cls_token: bool = False, with_cp: bool = False) -> None:
+        super().__init__()
+        if shift_mode != "q_shift_multihead" or init_mode != "fancy":
+            raise ValueError("Image_RWKV supports shift_mode='q_shift_multihead' and "
+                             f"init_mode='fancy' only, got {shift_mode!r}, {init_mode!r}")
+        self.layer_id, self.n_layer, self.n_embd = layer_id, n_layer, n_embd
+        self.attn_sz = n_embd
+        self.n_head = n_head
+        self.head_size = n_embd // n_head
+        self._init_time_params()
+        self.with_cls_token = with_cls_token
+        self.shift_pixel = shift_pixel
+        self.key = nn.Linear(n_embd, self.attn_sz, bias=False)
+        self.value = nn.Linear(n_embd, self.attn_sz, bias=False)
+        self.receptance = nn.Linear(n_embd, self.attn_sz, bias=False)
+        self.gate = nn.Linear(n_embd, self.attn_sz, bias=False)
+        self.key_norm = nn.LayerNorm(n_embd) if key_norm else None
+        self.output = nn.Linear(self.attn_sz, n_embd, bias=False)
+        self.ln_x = nn.GroupNorm(n_head, self.attn_sz, eps=1e-5)
+        self.with_cp = with_cp
+
+    @torch.no_grad()
+    def _init_time_params(self) -> None:
+        for name, value in fancy_time_mix_init(self.n_embd, self.layer_id, self.n_layer).items():
+            setattr(self, f"time_maa_{name}", nn.Parameter(value))
+        self.time_maa_w1 = nn.Parameter(
+            torch.zeros(self.n_embd, TIME_MIX_EXTRA_DIM * 5).uniform_(-1e-4, 1e-4))
+        self.time_maa_w2 = nn.Parameter(
+            torch.zeros(5, TIME_MIX_EXTRA_DIM, self.n_embd).uniform_(-1e-4, 1e-4))
+        decay = fancy_decay_init(self.attn_sz, self.layer_id, self.n_layer)
+        self.time_decay = nn.Parameter(torch.tensor(decay).view(1, 1, self.attn_sz))
+        self.time_decay_w1 = nn.Parameter(
+            torch.zeros(self.n_embd, TIME_DECAY_EXTRA_DIM).uniform_(-1e-4, 1e-4))
+        self.time_decay_w2 = nn.Parameter(
+            torch.zeros(TIME_DECAY_EXTRA_DIM, self.attn_sz).uniform_(-1e-4, 1e-4))
+        bonus = fancy_bonus_init(self.attn_sz, self.layer_id, self.n_layer)
+        self.time_faaaa = nn.Parameter(torch.tensor(bonus).view(self.n_head, self.head_size))
+
+    def shift(self, x, patch_resolution=None):
+        return q_shift_multihead(x, self.shift_pixel, self.head_size, patch_resolution,
+                                 self.with_cls_token)
+
+    def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
+        if self.with_cp and x.requires_grad:
+            return cp.checkpoint(self.mix, x, patch_resolution=patch_resolution,
+                                 use_reentrant=False)
+        return self.mix(x, patch_resolution=patch_resolution)
+
+
+class VRWKV_ChannelMix_V6(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, n_layer: int, layer_id: int,
+                 shift_mode: str = "q_shift_multihead", shift_pixel: int = 1,
+                 hidden_rate: int = 4, init_mode: str = "fancy", key_norm: bool = False,
+                 with_cls_token: bool = False, with_cp: bool = False) -> None:
+        super().__init__()
+        self.layer_id, self.n_layer, self.n_embd = layer_id, n_layer, n_embd
+        self.n_head = n_head
+        self.head_size = n_embd // n_head
+        self.with_cp = with_cp
+        with torch.no_grad():  # mix weights: channel i keeps (i / C) ** (1 - depth) of itself
+            ratio_1_to_almost0 = 1.0 - layer_id / n_layer
+            ddd = (torch.arange(n_embd, dtype=torch.float32) / n_embd).view(1, 1, n_embd)
+            self.spatial_mix_k = nn.Parameter(torch.pow(ddd, ratio_1_to_almost0))
+            self.spatial_mix_r = nn.Parameter(torch.pow(ddd, ratio_1_to_almost0))
+        self.with_cls_token = with_cls_token
+        self.shift_pixel = shift_pixel
+        hidden_sz = hidden_rate * n_embd
+        self.key = nn.Linear(n_embd, hidden_sz, bias=False)
+        self.key_norm = nn.LayerNorm(hidden_sz) if key_norm else None
+        self.receptance = nn.Linear(n_embd, n_embd, bias=False)
+        self.value = nn.Linear(hidden_sz, n_embd, bias=False)
+
+    def mix(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
+        xx = q_shift_multihead(x, self.shift_pixel, self.head_size, patch_resolution,
+                               self.with_cls_token)
+        # Note the convention: spatial_mix_* weights x itself (the text tower's time_maa_k
+        # weights the shifted neighbour instead).
+        xk = x * self.spatial_mix_k + xx * (1 - self.spatial_mix_k)
+        xr = x * self.spatial_mix_r + xx * (1 - self.spatial_mix_r)
+        k = torch.square(torch.relu(self.key(xk)))
+        if self.key_norm is not None:
+            k = self.key_norm(k)
+        return torch.sigmoid(self.receptance(xr)) * self.value(k)
+
+    def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
+        if self.with_cp and x.requires_grad:
+            return cp.checkpoint(self.mix, x, patch_resolution=patch_resolution,
+                                 use_reentrant=False)
+        return self.mix(x, patch_resolution)
+
+
+class Block_V6(nn.Module):
+    """Pre-norm residual block (``ln0`` on the first layer only), with optional layer
+    scale (``gamma1/2``) and post-norm variants of Vision-RWKV."""
+
+    def __init__(self, n_embd: int, n_head: int, n_layer: int, layer_id: int,
+                 shift_mode: str = "q_shift_multihead", shift_pixel: int = 1,
+                 drop_path: float = 0.0, hidden_rate: int = 4, init_mode: str = "fancy",
+                 init_values: float | None = None, post_norm: bool = False,
+                 key_norm: bool = False, with_cls_token: bool = False,
+                 with_cp: bool = False) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        if layer_id == 0:
+            self.ln0 = nn.LayerNorm(n_embd)
+        self.att = VRWKV_SpatialMix_V6(n_embd, n_head, n_layer, layer_id, shift_mode,
+                                       shift_pixel, init_mode, key_norm=key_norm,
+                                       with_cls_token=with_cls_token)
+        self.ffn = VRWKV_ChannelMix_V6(n_embd, n_head, n_layer, layer_id, shift_mode,
+                                       shift_pixel, hidden_rate, init_mode, key_norm=key_norm,
+                                       with_cls_token=with_cls_token)
+        self.layer_scale = init_values is not None
+        self.post_norm = post_norm
+        if self.layer_scale:
+            self.gamma1 = nn.Parameter(init_values * torch.ones(n_embd))
+            self.gamma2 = nn.Parameter(init_values * torch.ones(n_embd))
+        self.with_cp = with_cp
+
+    def _residual(self, branch, norm, gamma, x, patch_resolution):
+        if self.post_norm:
+            out = norm(branch(x, patch_resolution))
+        else:
+            out = branch(norm(x), patch_resolution)
+        return x + self.drop_path(out if gamma is None else gamma * out)
+
+    def _inner_forward(self, x: torch.Tensor, patch_resolution) -> torch.Tensor:
+        if self.layer_id == 0:
+            x = self.ln0(x)
+        x = self._residual(self.att, self.ln1, getattr(self, "gamma1", None), x, patch_resolution)
+        return self._residual(self.ffn, self.ln2, getattr(self, "gamma2", None), x,
+                              patch_resolution)
+
+    def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
+        if self.with_cp and x.requires_grad:
+            return cp.checkpoint(self._inner_forward, x, patch_resolution, use_reentrant=False)
+        return self._inner_forward(x, patch_resolution)
+
+
+class Image_RWKV(nn.Module):
+    """Vision-RWKV 6 backbone. ``forward`` returns a tuple with one entry per
+    ``out_indices`` layer: the patch-token map (B, C, H', W'), or ``[map, cls]`` when
+    ``output_cls_token``. The cls token, if used, is appended after the patches."""
+
+    def __init__(self, img_size: int = 224, patch_size: int = 16, in_channels: int = 3,
+                 out_indices: int | Sequence[int] = -1, drop_rate: float = 0.0,
+                 embed_dims: int = 192, num_heads: int = 3, depth: int = 12,
+                 drop_path_rate: float = 0.0, shift_pixel: int = 1,
+                 shift_mode: str = "q_shift_multihead", init_mode: str = "fancy",
+                 post_norm: bool = False, key_norm: bool = False,
+                 init_values: float | None = None, hidden_rate: int = 4,
+                 final_norm: bool = True, interpolate_mode: str = "bicubic",
+                 output_cls_token: bool = False, with_cls_token: bool = False,
+                 with_cp: bool = False, init_cfg=None) -> None:
+        super().__init__()
+        if output_cls_token and not with_cls_token:
+            raise ValueError("output_cls_token=True needs with_cls_token=True")
+        if embed_dims % num_heads or (embed_dims // num_heads) % 4:
+            raise ValueError(f"embed_dims {embed_dims} / num_heads {num_heads} must give an "
+                             "integer head size that is a multiple of 4")
+        self.embed_dims = embed_dims
+        self.num_extra_tokens = 0  # the cls token is appended, not part of pos_embed
+        self.num_layers = depth
+        self.drop_path_rate = drop_path_rate
+        self.with_cls_token = with_cls_token
+        self.output_cls_token = output_cls_token
+        if with_cls_token:
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dims))
+        self.patch_embed = PatchEmbed(in_channels, embed_dims, patch_size, img_size)
+        self.patch_resolution = self.patch_embed.init_out_size
+        num_patches = self.patch_resolution[0] * self.patch_resolution[1]
+        self.interpolate_mode = interpolate_mode
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, embed_dims))
+        self.drop_after_pos = nn.Dropout(p=drop_rate)
+        self.out_indices = self._normalise_out_indices(out_indices, depth)
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        self.layers = nn.ModuleList(
+            Block_V6(embed_dims, num_heads, depth, i, shift_mode, shift_pixel, dpr[i],
+                     hidden_rate, init_mode, init_values, post_norm, key_norm,
+                     with_cls_token, with_cp)
+            for i in range(depth))
+        self.final_norm = final_norm
+        if final_norm:
+            self.ln1 = nn.LayerNorm(embed_dims)
+
+    @staticmethod
+    def _normalise_out_indices(out_indices, depth: int) -> list[int]:
+        indices = [out_indices] if isinstance(out_indices, int) else list(out_indices)
+        indices = [i + depth if i < 0 else i for i in indices]
+        bad = [i for i in indices if not 0 <= i < depth]
+        if bad:
+            raise ValueError(f"out_indices {bad} outside 0..{depth - 1}")
+        return indices
+
+    @property
+    def with_cp(self) -> bool:
+        return all(layer.with_cp for layer in self.layers)
+
+    @with_cp.setter
+    def with_cp(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.with_cp = bool(value)
+
+    def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Patches + (resized if needed) position embedding (+ cls token last)."""
+        x, patch_resolution = self.patch_embed(x)
+        x = x + resize_pos_embed(self.pos_embed, self.patch_resolution, patch_resolution,
+                                 mode=self.interpolate_mode,
+                                 num_extra_tokens=self.num_extra_tokens)
+        if self.with_cls_token:
+            x = torch.cat((x, self.cls_token.expand(x.shape[0], -1, -1)), dim=1)
+        return self.drop_after_pos(x), patch_resolution
+
+    def _collect(self, x: torch.Tensor, patch_resolution):
+        B, _, C = x.shape
+        patches = x[:, :-1] if self.with_cls_token else x
+        patch_map = patches.reshape(B, *patch_resolution, C).permute(0, 3, 1, 2)
+        return [patch_map, x[:, -1]] if self.output_cls_token else patch_map
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        x, patch_resolution = self.embed(x)
+        outs = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, patch_resolution)
+            if i == len(self.layers) - 1 and self.final_norm:
+                x = self.ln1(x)
+            if i in self.out_indices:
+                outs.append(self._collect(x, patch_resolution))
+        return tuple(outs)

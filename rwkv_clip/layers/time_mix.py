@@ -1,0 +1,91 @@
+"""The RWKV-6 time mix shared by both towers: data-dependent lerp, decay, WKV, gate.
+
+Each tower subclasses :class:`TimeMixBase`, creating the parameters in its own order
+(state-dict names and the order of random draws follow the original) and supplying its
+own token shift; the arithmetic below is common to both.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import wkv6_bidirectional
+
+TIME_MIX_EXTRA_DIM = 32    # rank of the LoRA that makes the five lerp weights data-dependent
+TIME_DECAY_EXTRA_DIM = 64  # rank of the LoRA that makes the decay data-dependent
+
+
+def fancy_time_mix_init(n_embd: int, layer_id: int, n_layer: int) -> dict[str, torch.Tensor]:
+    """The original's layer-dependent lerp weights (time_maa_x/w/k/v/r/g)."""
+    ratio_0_to_1 = _depth_ratio(layer_id, n_layer)
+    ratio_1_to_almost0 = 1.0 - layer_id / n_layer
+    ddd = (torch.arange(n_embd, dtype=torch.float32) / n_embd).view(1, 1, n_embd)
+    pow_a = torch.pow(ddd, ratio_1_to_almost0)
+    pow_half = torch.pow(ddd, 0.5 * ratio_1_to_almost0)
+    return {"x": 1.0 - pow_a, "w": 1.0 - pow_a, "k": 1.0 - pow_a,
+            "v": 1.0 - (pow_a + 0.3 * ratio_0_to_1), "r": 1.0 - pow_half, "g": 1.0 - pow_half}
+
+
+def _depth_ratio(layer_id: int, n_layer: int) -> float:
+    # The original divides by (n_layer - 1); a one-layer tower would divide by zero.
+    return layer_id / (n_layer - 1) if n_layer > 1 else 0.0
+
+
+def fancy_decay_init(dim_att: int, layer_id: int, n_layer: int) -> list[float]:
+    """time_decay: -6 + 5 * (n / (C-1)) ** (0.7 + 1.3 * depth ratio), per channel.
+
+    Computed in Python floats, as the original, so the rounding to the parameter's
+    dtype (float32 image, bfloat16 text) gives bit-identical values.
+    """
+    ratio_0_to_1 = _depth_ratio(layer_id, n_layer)
+    return [-6 + 5 * (n / (dim_att - 1)) ** (0.7 + 1.3 * ratio_0_to_1) for n in range(dim_att)]
+
+
+def fancy_bonus_init(dim_att: int, layer_id: int, n_layer: int) -> list[float]:
+    """time_faaaa (the bonus u): a depth-scaled ramp plus a period-3 zigzag."""
+    ratio_0_to_1 = _depth_ratio(layer_id, n_layer)
+    return [ratio_0_to_1 * (1 - (n / (dim_att - 1))) + ((n + 1) % 3 - 1) * 0.1
+            for n in range(dim_att)]
+
+
+class TimeMixBase(nn.Module):
+    """Shared forward of the RWKV-6 time mix; subclasses own parameters and shift."""
+
+    n_head: int
+    wkv_backend: str | None = None  # None: follow the tensors' device (see rwkv_clip.ops)
+
+    def shift(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def projections(self, x: torch.Tensor, **shift_kwargs):
+        """r, k, v, gate and decay logits from x and its shifted neighbours."""
+        B, T, C = x.shape
+        xx = self.shift(x, **shift_kwargs) - x
+        xxx = x + xx * self.time_maa_x
+        xxx = torch.tanh(xxx @ self.time_maa_w1).view(B * T, 5, -1).transpose(0, 1)
+        mw, mk, mv, mr, mg = torch.bmm(xxx, self.time_maa_w2).view(5, B, T, -1).unbind(dim=0)
+
+        xw = x + xx * (self.time_maa_w + mw)
+        xk = x + xx * (self.time_maa_k + mk)
+        xv = x + xx * (self.time_maa_v + mv)
+        xr = x + xx * (self.time_maa_r + mr)
+        xg = x + xx * (self.time_maa_g + mg)
+
+        r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
+        g = F.silu(self.gate(xg))
+        w = self.time_decay + torch.tanh(xw @ self.time_decay_w1) @ self.time_decay_w2
+        return r, k, v, g, w
+
+    def output_projection(self, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Per-head GroupNorm of the WKV output, gated, projected back."""
+        B, T, C = y.shape
+        y = self.ln_x(y.view(B * T, C)).view(B, T, C)
+        return self.output(y * g)
+
+    def mix(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
+        r, k, v, g, w = self.projections(x, **shift_kwargs)
+        y = wkv6_bidirectional(r, k, v, w, self.time_faaaa, backend=self.wkv_backend)
+        if getattr(self, "key_norm", None) is not None:
+            y = self.key_norm(y)
+        return self.output_projection(y, g)

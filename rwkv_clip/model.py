@@ -1,0 +1,156 @@
+"""The CLIP wrapper (``get_model``), the factory ``create_RWKV_Model`` and checkpoint loading.
+
+RWKV-CLIP has no projection heads: the image feature is the mean of the final patch
+tokens (or the cls token), the text feature the mean over all ``ctx_len`` positions of
+the L2-normalised per-token outputs (padding included). ``forward`` returns unnormalised
+features and ``logit_scale.exp()``, exactly as the original.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import complete_args
+from .image_rwkv import Image_RWKV
+from .text_rwkv import Text_RWKV
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into the model; the message says why."""
+
+
+class get_model(nn.Module):  # noqa: N801 - the original's public name
+    """RWKV-CLIP: ``image_model`` (Image_RWKV), ``text_model`` (Text_RWKV), ``logit_scale``."""
+
+    def __init__(self, model_image_rwkv: Image_RWKV, model_text_rwkv: Text_RWKV,
+                 image_cls_token: bool = False) -> None:
+        super().__init__()
+        self.text_model = model_text_rwkv
+        self.image_model = model_image_rwkv
+        self.image_cls_token = image_cls_token
+        self.logit_scale = nn.Parameter(torch.ones([]) * np.log(1 / 0.07))
+
+    def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        """(B, 3, S, S) normalised images -> (B, C) image features."""
+        outs = self.image_model(image)[-1]
+        if self.image_cls_token:
+            features = outs[1]
+        else:
+            features = outs.mean(dim=(2, 3))  # global average over the patch grid
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_text(self, text: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        """(B, ctx_len) token ids -> (B, C): mean of the L2-normalised token features."""
+        tokens = F.normalize(self.text_model(text), dim=-1)
+        features = tokens.mean(dim=1)
+        return F.normalize(features, dim=-1) if normalize else features
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor):
+        return self.encode_image(image), self.encode_text(text), self.logit_scale.exp()
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in backward (the original's ``with_cp``) in both towers."""
+        self.image_model.with_cp = enable
+        self.text_model.args.with_cp = enable
+
+    def set_wkv_backend(self, backend: str | None) -> None:
+        """Force a WKV backend ("cuda", "cpu", "reference") or None to follow the device."""
+        for module in self.modules():
+            if hasattr(module, "wkv_backend"):
+                module.wkv_backend = backend
+
+
+RWKVCLIP = get_model  # a descriptive alias
+
+
+def build_image_tower(args: Any) -> Image_RWKV:
+    return Image_RWKV(img_size=args.input_size,
+                      patch_size=args.image_patch_size,
+                      embed_dims=args.image_embed_dims,
+                      hidden_rate=args.image_hidden_rate,
+                      depth=args.image_depth,
+                      num_heads=args.image_num_heads,
+                      output_cls_token=args.image_output_cls_token,
+                      with_cls_token=args.image_with_cls_token,
+                      drop_path_rate=getattr(args, "drop_path_rate", 0.0),
+                      with_cp=getattr(args, "with_cp", False))
+
+
+def create_RWKV_Model(args: Any, model_weight_path: str | os.PathLike | None = None,
+                      map_location: str | torch.device | None = None) -> get_model:
+    """Build RWKV-CLIP from a config namespace (``load_model_configs``) and optionally load
+    weights (our checkpoints or the original's, ``module.``/``_orig_mod.`` prefixes ok)."""
+    args = complete_args(args, source="model args")
+    image_tower = build_image_tower(args)  # image first: the original's random-draw order
+    text_tower = Text_RWKV(args)
+    model = get_model(image_tower, text_tower, image_cls_token=args.image_output_cls_token)
+    if model_weight_path is not None:
+        load_model_weight(model, model_weight_path, map_location=map_location)
+    return model
+
+
+def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove DDP's ``module.`` and torch.compile's ``_orig_mod.`` from every key."""
+    cleaned = {}
+    for key, value in state_dict.items():
+        for prefix in ("module.", "_orig_mod."):
+            if prefix in key:
+                key = key.split(prefix)[-1]
+        cleaned[key] = value
+    return cleaned
+
+
+def read_state_dict(path: str | os.PathLike, map_location=None) -> dict[str, torch.Tensor]:
+    """Load a checkpoint file safely (``weights_only=True``): a plain state dict, or one of
+    our training checkpoints (``{"state_dict": ...}`` / ``{"model": ...}``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        obj = torch.load(path, map_location=map_location or "cpu", weights_only=True)
+    except Exception as exc:  # pickle refusing code, truncated zip, not a torch file...
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}. "
+                              "Expected a torch.save()d state dict of RWKV-CLIP "
+                              "(files that need arbitrary code to unpickle are refused)") from None
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"checkpoint {path} does not hold a state dict of tensors")
+    return strip_prefixes(obj)
+
+
+def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """Raise one error listing every missing, unexpected and mis-shaped key."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    shapes = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
+              for k, v in state_dict.items() if k in expected and v.shape != expected[k].shape]
+    if not (missing or unexpected or shapes):
+        return
+    lines = [f"checkpoint {source} does not fit this model config:"]
+    for title, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                         ("shape mismatches", shapes)):
+        if items:
+            shown = ", ".join(items[:12]) + (f", ... ({len(items) - 12} more)" if len(items) > 12 else "")
+            lines.append(f"  {title} ({len(items)}): {shown}")
+    if any(k.endswith("pos_embed") for k in shapes):
+        lines.append("  (pos_embed differs: the config's input_size/image_patch_size do not "
+                     "match the image size the weights were trained at)")
+    raise CheckpointError("\n".join(lines))
+
+
+def load_model_weight(model: nn.Module, model_weight: str | os.PathLike,
+                      map_location=None) -> nn.Module:
+    """Load weights strictly; values land on the model's device, in its dtypes."""
+    state_dict = read_state_dict(model_weight, map_location=map_location)
+    check_state_dict(model, state_dict, str(model_weight))
+    model.load_state_dict(state_dict, strict=True)
+    return model
