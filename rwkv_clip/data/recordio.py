@@ -1,0 +1,339 @@
+"""Pure-Python MXNet RecordIO: writer, reader and structural validation.
+
+Format (dmlc-core ``recordio.cc``, which MXNet and DALI's ``readers.mxnet`` read):
+
+* every physical record starts with the little-endian uint32 magic ``0xced7230a``
+  followed by a uint32 length word ``(cflag << 29) | length`` (upper 3 bits:
+  continuation flag, lower 29 bits: byte length of this part);
+* the part's bytes follow, zero padded to a multiple of 4;
+* a logical payload that contains the magic at a 4-byte aligned offset is split
+  there: the magic itself is dropped, the pieces are written with cflag 1 (first),
+  2 (middle) and 3 (last), and a reader re-inserts the magic between pieces. A payload
+  without an aligned magic is one part with cflag 0.
+
+An image record payload is ``IRHeader`` (``struct 'IfQQ'``: flag, label, id, id2)
+followed, when ``flag > 0``, by ``flag`` float32 labels, then the encoded image bytes
+(``mx.recordio.pack``). The ``.idx`` file holds one ``key\\toffset`` line per record,
+offset = byte position of the record's first magic in the ``.rec``.
+
+Every problem is reported as :class:`DataError` naming the file and the record.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+MAGIC = 0xCED7230A
+_MAGIC_BYTES = struct.pack("<I", MAGIC)
+_LEN_MASK = (1 << 29) - 1
+IR_FORMAT = "<IfQQ"
+IR_SIZE = struct.calcsize(IR_FORMAT)  # 24
+
+
+class DataError(RuntimeError):
+    """A data file is missing, truncated, corrupt or has an unexpected layout.
+
+    The message always names the file and, where there is one, the record.
+    """
+
+    def __init__(self, message: str, path: str | None = None, record=None):
+        self.path = path
+        self.record = record
+        parts = [message]
+        if path is not None:
+            parts.append(f"file: {path}")
+        if record is not None:
+            parts.append(f"record: {record}")
+        super().__init__(" | ".join(parts))
+
+
+@dataclass
+class IRHeader:
+    flag: int
+    label: float
+    id: int
+    id2: int
+
+
+def _encode_lrec(cflag: int, length: int) -> bytes:
+    return struct.pack("<I", (cflag << 29) | length)
+
+
+def encode_record(payload: bytes) -> bytes:
+    """Return the on-disk bytes of one logical record (all parts + padding)."""
+    n = len(payload)
+    if n >= (1 << 29):
+        raise ValueError(f"record of {n} bytes is too large for RecordIO (< 2**29)")
+    out = []
+    mv = memoryview(payload)
+    lower_align = (n >> 2) << 2
+    dptr = 0
+    # find aligned occurrences of the magic, like dmlc's WriteRecord
+    pos = payload.find(_MAGIC_BYTES, 0, lower_align)
+    while pos != -1:
+        if pos % 4 == 0:
+            out.append(_MAGIC_BYTES)
+            out.append(_encode_lrec(1 if dptr == 0 else 2, pos - dptr))
+            out.append(mv[dptr:pos])
+            dptr = pos + 4
+            pos = payload.find(_MAGIC_BYTES, dptr, lower_align)
+        else:
+            pos = payload.find(_MAGIC_BYTES, pos + 1, lower_align)
+    out.append(_MAGIC_BYTES)
+    out.append(_encode_lrec(3 if dptr != 0 else 0, n - dptr))
+    out.append(mv[dptr:n])
+    pad = (-n) % 4
+    if pad:
+        out.append(b"\x00" * pad)
+    return b"".join(bytes(x) for x in out)
+
+
+def pack(header: IRHeader, labels: np.ndarray | None, image: bytes) -> bytes:
+    """``mx.recordio.pack``: header (+ float32 labels) + image bytes."""
+    if labels is not None:
+        labels = np.ascontiguousarray(labels, dtype="<f4").reshape(-1)
+        head = struct.pack(IR_FORMAT, labels.size, 0.0, header.id, header.id2)
+        return head + labels.tobytes() + image
+    return struct.pack(IR_FORMAT, 0, header.label, header.id, header.id2) + image
+
+
+def unpack(payload: bytes, where: str = "?", record=None):
+    """Inverse of :func:`pack`: returns (IRHeader, labels float32 array or None, image bytes)."""
+    if len(payload) < IR_SIZE:
+        raise DataError(f"record payload of {len(payload)} bytes is shorter than the "
+                        f"{IR_SIZE}-byte IRHeader", where, record)
+    flag, label, id_, id2 = struct.unpack_from(IR_FORMAT, payload, 0)
+    header = IRHeader(flag, label, id_, id2)
+    if flag > 0:
+        end = IR_SIZE + 4 * flag
+        if end > len(payload):
+            raise DataError(f"IRHeader announces {flag} labels but the payload has only "
+                            f"{len(payload) - IR_SIZE} bytes after the header", where, record)
+        labels = np.frombuffer(payload, dtype="<f4", count=flag, offset=IR_SIZE).copy()
+        return header, labels, payload[end:]
+    return header, None, payload[IR_SIZE:]
+
+
+class RecordIOWriter:
+    """Indexed RecordIO writer producing ``PREFIX.rec`` and ``PREFIX.idx``.
+
+    Files are written under temporary names and renamed on :meth:`close`, so an
+    interrupted run never leaves a valid-looking but incomplete pair.
+    """
+
+    def __init__(self, rec_path: str, idx_path: str):
+        self.rec_path, self.idx_path = rec_path, idx_path
+        d = os.path.dirname(os.path.abspath(rec_path))
+        os.makedirs(d, exist_ok=True)
+        self._rec_tmp = rec_path + ".tmp"
+        self._idx_tmp = idx_path + ".tmp"
+        self._rec = open(self._rec_tmp, "wb")
+        self._idx = open(self._idx_tmp, "w")
+        self._keys: set = set()
+        self.count = 0
+
+    def write(self, key: int, payload: bytes) -> None:
+        if key in self._keys:
+            raise ValueError(f"duplicate record key {key}")
+        self._keys.add(key)
+        offset = self._rec.tell()
+        self._rec.write(encode_record(payload))
+        self._idx.write(f"{key}\t{offset}\n")
+        self.count += 1
+
+    def write_image_record(self, key: int, labels, image: bytes, id2: int = 0) -> None:
+        self.write(key, pack(IRHeader(0, 0.0, key, id2), labels, image))
+
+    def close(self) -> None:
+        if self._rec is None:
+            return
+        self._rec.close()
+        self._idx.close()
+        self._rec = self._idx = None
+        os.replace(self._rec_tmp, self.rec_path)
+        os.replace(self._idx_tmp, self.idx_path)
+
+    def abort(self) -> None:
+        if self._rec is None:
+            return
+        self._rec.close()
+        self._idx.close()
+        self._rec = self._idx = None
+        for p in (self._rec_tmp, self._idx_tmp):
+            if os.path.exists(p):
+                os.remove(p)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def rec_paths(prefix: str) -> tuple[str, str]:
+    """``PREFIX`` (or ``PREFIX.rec``) -> (PREFIX.rec, PREFIX.idx)."""
+    if prefix.endswith(".rec") or prefix.endswith(".idx"):
+        prefix = prefix[:-4]
+    return prefix + ".rec", prefix + ".idx"
+
+
+def read_index(idx_path: str, rec_size: int | None = None) -> list[tuple[int, int]]:
+    """Parse an ``.idx`` file into ``[(key, offset), ...]`` in file order.
+
+    Checks: file exists and is non-empty, every line is ``int<TAB or space>int``, keys
+    are unique, offsets are 4-byte aligned and (if ``rec_size`` is given) inside the
+    ``.rec``.
+    """
+    if not os.path.isfile(idx_path):
+        raise DataError("index file not found", idx_path)
+    entries = []
+    seen = set()
+    with open(idx_path, "r") as f:
+        for lineno, line in enumerate(f, 1):
+            s = line.strip()
+            if not s:
+                continue
+            parts = s.split()
+            if len(parts) != 2:
+                raise DataError(f"malformed index line {lineno}: {s[:80]!r}", idx_path)
+            try:
+                key, off = int(parts[0]), int(parts[1])
+            except ValueError:
+                raise DataError(f"malformed index line {lineno}: {s[:80]!r}", idx_path) from None
+            if key in seen:
+                raise DataError(f"duplicate key at index line {lineno}", idx_path, key)
+            seen.add(key)
+            if off < 0 or off % 4:
+                raise DataError(f"offset {off} at index line {lineno} is not a valid "
+                                "record position (negative or not 4-byte aligned)", idx_path, key)
+            if rec_size is not None and off + 8 > rec_size:
+                raise DataError(f"offset {off} at index line {lineno} points past the end of "
+                                f"the .rec file ({rec_size} bytes)", idx_path, key)
+            entries.append((key, off))
+    if not entries:
+        raise DataError("index file is empty (no records)", idx_path)
+    return entries
+
+
+class RecordIOReader:
+    """Random-access reader of ``PREFIX.rec`` via ``PREFIX.idx``.
+
+    Opens the ``.rec`` lazily per process (safe to pickle into DataLoader workers).
+    """
+
+    def __init__(self, prefix: str, check_index: bool = True):
+        self.rec_path, self.idx_path = rec_paths(prefix)
+        if not os.path.isfile(self.rec_path):
+            raise DataError("record file not found", self.rec_path)
+        self.rec_size = os.path.getsize(self.rec_path)
+        if self.rec_size == 0:
+            raise DataError("record file is empty", self.rec_path)
+        self.index = read_index(self.idx_path, self.rec_size if check_index else None)
+        self.keys = [k for k, _ in self.index]
+        self._offsets = dict(self.index)
+        self._fh = None
+        self._pid = None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getstate__(self):
+        st = self.__dict__.copy()
+        st["_fh"] = None
+        st["_pid"] = None
+        return st
+
+    def _file(self):
+        if self._fh is None or self._pid != os.getpid():
+            self._fh = open(self.rec_path, "rb")
+            self._pid = os.getpid()
+        return self._fh
+
+    def close(self):
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def read_at(self, offset: int, key=None) -> bytes:
+        """Read the logical record starting at ``offset`` (joins continuation parts)."""
+        f = self._file()
+        f.seek(offset)
+        chunks = []
+        expect_first = True
+        while True:
+            pos = f.tell()
+            head = f.read(8)
+            if len(head) < 8:
+                raise DataError(f"truncated record: header at byte {pos} cut off by end of file",
+                                self.rec_path, key)
+            magic, lrec = struct.unpack("<II", head)
+            if magic != MAGIC:
+                what = "is not the start of a record" if expect_first else "has a bad continuation"
+                raise DataError(f"byte {pos} {what} (magic 0x{magic:08x}, "
+                                f"expected 0x{MAGIC:08x})", self.rec_path, key)
+            cflag, length = lrec >> 29, lrec & _LEN_MASK
+            if expect_first and cflag not in (0, 1):
+                raise DataError(f"byte {pos} is a continuation part (cflag {cflag}), not the "
+                                "start of a record", self.rec_path, key)
+            if not expect_first and cflag not in (2, 3):
+                raise DataError(f"bad continuation flag {cflag} at byte {pos}", self.rec_path, key)
+            data = f.read(length)
+            if len(data) < length:
+                raise DataError(f"truncated record: {length} bytes announced at byte {pos}, "
+                                f"only {len(data)} present", self.rec_path, key)
+            if not expect_first:
+                chunks.append(_MAGIC_BYTES)
+            chunks.append(data)
+            pad = (-length) % 4
+            if pad:
+                f.seek(pad, 1)
+            if cflag in (0, 3):
+                break
+            expect_first = False
+        return b"".join(chunks)
+
+    def read_key(self, key) -> bytes:
+        try:
+            off = self._offsets[key]
+        except KeyError:
+            raise DataError("no such key in the index", self.idx_path, key) from None
+        return self.read_at(off, key)
+
+    def read_idx(self, i: int) -> bytes:
+        key, off = self.index[i]
+        return self.read_at(off, key)
+
+    def read_item(self, i: int):
+        """(key, IRHeader, labels or None, image bytes) of the i-th index entry."""
+        key, off = self.index[i]
+        payload = self.read_at(off, key)
+        header, labels, image = unpack(payload, self.rec_path, key)
+        return key, header, labels, image
+
+    def __iter__(self) -> Iterator:
+        for i in range(len(self)):
+            yield self.read_item(i)
+
+
+def scan_records(rec_path: str) -> Iterator[tuple[int, bytes]]:
+    """Sequentially read every logical record of a ``.rec`` (no index): (offset, payload)."""
+    r = RecordIOReader.__new__(RecordIOReader)
+    r.rec_path, r.idx_path = rec_path, None
+    r._fh, r._pid = None, None
+    size = os.path.getsize(rec_path)
+    off = 0
+    n = 0
+    while off < size:
+        payload = r.read_at(off, f"#{n} at byte {off}")
+        yield off, payload
+        off = r._file().tell()
+        n += 1
+    r.close()
