@@ -337,3 +337,113 @@ def scan_records(rec_path: str) -> Iterator[tuple[int, bytes]]:
         off = r._file().tell()
         n += 1
     r.close()
+
+
+# ----------------------------------------------------------------------------- validation
+
+@dataclass
+class RecCheck:
+    """Result of :func:`check_rec`."""
+    rec_path: str
+    idx_path: str
+    num_records: int            # entries in the .idx
+    checked: int                # entries whose record was inspected
+    good: list                  # [(key, offset)] that passed (all entries when not 'full')
+    bad: list                   # [(key, reason)]
+    label_counts: set           # distinct label counts seen among checked records
+
+
+def _check_one(f, rec_size: int, key, off: int, check_image: bool) -> tuple[str | None, int]:
+    """Inspect the record at ``off`` cheaply. Returns (reason or None, label count)."""
+    f.seek(off)
+    head = f.read(8 + IR_SIZE + 4 * 231 + 4)
+    if len(head) < 8:
+        return f"offset {off} points past the end of the file", 0
+    magic, lrec = struct.unpack_from("<II", head, 0)
+    if magic != MAGIC:
+        return f"offset {off} is not the start of a record (bad magic)", 0
+    cflag, length = lrec >> 29, lrec & _LEN_MASK
+    if cflag not in (0, 1):
+        return f"offset {off} is a continuation part, not the start of a record", 0
+    if off + 8 + length > rec_size:
+        return (f"truncated record: {length} bytes announced at byte {off}, file ends at "
+                f"{rec_size}"), 0
+    if cflag == 1:  # split record: rare, read it in full
+        try:
+            r = RecordIOReader.__new__(RecordIOReader)
+            r.rec_path, r._fh, r._pid = f.name, f, os.getpid()
+            payload = r.read_at(off, key)
+        except DataError as e:
+            return str(e).split(" | ")[0], 0
+    else:
+        payload = head[8:8 + length]
+    if len(payload) < IR_SIZE:
+        return "record shorter than its IRHeader", 0
+    flag = struct.unpack_from("<I", payload, 0)[0]
+    if flag not in (231, 154):
+        return f"record has {flag} labels; expected 231 (or 154)", flag
+    img_off = IR_SIZE + 4 * flag
+    if cflag == 0 and length < img_off + 4:
+        return "record holds no image bytes", flag
+    if check_image:
+        if cflag == 0:
+            f.seek(off + 8 + img_off)
+            soi = f.read(2)
+            f.seek(off + 8 + length - 2)
+            eoi = f.read(2)
+        else:
+            soi, eoi = payload[img_off:img_off + 2], payload[-2:]
+        if soi != b"\xff\xd8":
+            return "image is not a JPEG (no SOI marker)", flag
+        if eoi != b"\xff\xd9":
+            return "JPEG image is truncated (no EOI marker)", flag
+    return None, flag
+
+
+def check_rec(prefix: str, level: str = "full", check_image: bool = True,
+              max_quick: int = 1024) -> RecCheck:
+    """Validate a ``.rec``/``.idx`` pair without decoding images.
+
+    ``level='full'`` inspects every record (one small read per record: magic, length
+    inside the file, label count 231/154, JPEG SOI/EOI markers); ``'quick'`` inspects
+    the first, last and up to ``max_quick`` evenly spaced records. File-level problems
+    (missing/empty files, malformed index, offsets past the end) always raise
+    :class:`DataError`; per-record problems are returned in ``bad`` so the caller can
+    raise or skip.
+    """
+    rec_path, idx_path = rec_paths(prefix)
+    if not os.path.isfile(rec_path):
+        raise DataError("record file not found", rec_path)
+    rec_size = os.path.getsize(rec_path)
+    if rec_size == 0:
+        raise DataError("record file is empty", rec_path)
+    index = read_index(idx_path, rec_size)
+    n = len(index)
+    if level == "full":
+        sel = range(n)
+    elif level == "quick":
+        step = max(1, n // max_quick)
+        sel = sorted(set(range(0, n, step)) | {n - 1})
+    else:
+        raise ValueError(f"unknown check level {level!r}")
+    bad, counts, bad_keys = [], set(), set()
+    with open(rec_path, "rb") as f:
+        for i in sel:
+            key, off = index[i]
+            reason, cnt = _check_one(f, rec_size, key, off, check_image)
+            if reason is None:
+                counts.add(cnt)
+            else:
+                bad.append((key, reason))
+                bad_keys.add(key)
+    good = [e for e in index if e[0] not in bad_keys]
+    return RecCheck(rec_path, idx_path, n, len(sel), good, bad, counts)
+
+
+def write_index(entries, idx_path: str) -> None:
+    """Write ``[(key, offset)]`` as an ``.idx`` file (used to drop bad records)."""
+    tmp = idx_path + ".tmp"
+    with open(tmp, "w") as f:
+        for k, o in entries:
+            f.write(f"{k}\t{o}\n")
+    os.replace(tmp, idx_path)

@@ -1,0 +1,147 @@
+"""One factory for training / evaluation loaders: DALI (GPU or CPU-only) or PyTorch.
+
+``build_train_loader(args)`` reads these attributes (missing ones take the default):
+
+* ``train_data``   rec prefix (``X`` for ``X.rec``/``X.idx``), wds shard spec (folder,
+  glob, brace pattern or ``::`` list), or for ``builtin`` an optional cache root;
+* ``data_format``  ``'rec'`` (default), ``'wds'`` or ``'builtin'`` (generated on first use,
+  see :mod:`rwkv_clip.data.builtin`; ``builtin_seed``, default 0, picks the set);
+* ``batch_size``, ``workers`` (default 2), ``input_size`` (default 224), ``seed`` (0);
+* ``skip_corrupt`` (False): skip and count bad records instead of raising DataError;
+* ``device`` (``'cuda'``/``'cpu'``), ``rank``/``world_size`` (else torchrun env, else 0/1),
+  ``local_rank`` (else ``LOCAL_RANK``, else 0);
+* ``loader``: ``'auto'`` (default), ``'dali'`` or ``'torch'``.
+
+``'auto'`` picks DALI when it is importable (GPU pipeline when ``device`` is CUDA and a
+GPU exists, else DALI's CPU-only mode) and the torch ``DataLoader`` otherwise. With
+``skip_corrupt`` and WebDataset shards containing single bad samples (which DALI cannot
+drop), ``auto`` falls back to torch.
+
+Every returned loader yields ``(images float32 (B, 3, S, S), tokens int64 (B, 231))``
+and has ``len()`` (batches per epoch, equal on all ranks for training), ``reset()``
+(call after each epoch) and ``skipped`` (records skipped so far).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+from .dali_pipeline import build_dali_loader, dali_available, dist_info
+from .recordio import DataError, check_rec
+from .torch_loader import RecSource, TorchLoader, WdsSource
+
+
+def _get(args, name, default=None):
+    v = getattr(args, name, None)
+    return default if v is None else v
+
+
+def _resolve_data(args) -> tuple[str, str]:
+    fmt = _get(args, "data_format", "rec")
+    data = _get(args, "train_data", None)
+    if fmt == "builtin":
+        from .builtin import ensure_builtin_dataset
+        ds = ensure_builtin_dataset(root=data or None, seed=int(_get(args, "builtin_seed", 0)))
+        return ds.train_prefix, "rec"
+    if fmt not in ("rec", "wds"):
+        raise ValueError(f"unknown data_format {fmt!r} (rec, wds or builtin)")
+    if not data:
+        raise DataError("no training data given (--train-data)")
+    return data, fmt
+
+
+def _choose(args) -> tuple[str, bool]:
+    """-> (backend 'dali'|'torch', dali_cpu_mode)."""
+    choice = _get(args, "loader", "auto")
+    device = str(_get(args, "device", "cuda" if torch.cuda.is_available() else "cpu"))
+    cpu_mode = not (device.startswith("cuda") and torch.cuda.is_available())
+    if choice == "torch":
+        return "torch", cpu_mode
+    if choice == "dali":
+        if not dali_available():
+            raise RuntimeError("loader='dali' but nvidia-dali is not installed "
+                               "(pip install '.[dali]')")
+        return "dali", cpu_mode
+    if choice != "auto":
+        raise ValueError(f"unknown loader {choice!r} (auto, dali or torch)")
+    return ("dali" if dali_available() else "torch"), cpu_mode
+
+
+def _build(args, train: bool, data=None, fmt=None, log=print):
+    if data is None:
+        data, fmt = _resolve_data(args)
+    rank, local, world = dist_info(args)
+    backend, cpu_mode = _choose(args)
+    bs = int(_get(args, "batch_size", 64))
+    size = int(_get(args, "input_size", 224))
+    workers = int(_get(args, "workers", 2))
+    seed = int(_get(args, "seed", 0))
+    skip = bool(_get(args, "skip_corrupt", False))
+    if backend == "dali":
+        try:
+            return build_dali_loader(
+                data, batch_size=bs, input_size=size, workers=workers, data_format=fmt,
+                train=train, cpu=cpu_mode, rank=rank, local_rank=local, world_size=world,
+                seed=seed, skip_corrupt=skip, check_level=_get(args, "check_level", None),
+                log=log)
+        except DataError as e:
+            if not (skip and fmt == "wds" and "DALI cannot skip" in str(e)
+                    and _get(args, "loader", "auto") == "auto"):
+                raise
+            if log:
+                log("[data] falling back to the torch loader to skip bad wds samples")
+    if fmt == "rec":
+        level = _get(args, "check_level", None) or "quick"
+        chk = check_rec(data, level=level)
+        if chk.bad and not skip:
+            key, reason = chk.bad[0]
+            raise DataError(reason, chk.rec_path, key)
+        if chk.bad and log:
+            log(f"[data] skipping {len(chk.bad)} corrupt record(s) in {chk.rec_path}")
+        source = RecSource(data, chk.good)
+        pre_skipped = len(chk.bad)
+    else:
+        from .wds import check_wds
+        index = check_wds(data, skip_corrupt=skip)
+        if index.bad and log:
+            log(f"[data] skipping {len(index.bad)} problem(s) in the shards; first: "
+                f"{index.bad[0]}")
+        source = WdsSource(index)
+        pre_skipped = len(index.bad)
+    loader = TorchLoader(source, bs, size, workers=workers, train=train, seed=seed, rank=rank,
+                         world_size=world, skip_corrupt=skip, log=log)
+    loader.skipped = pre_skipped
+    return loader
+
+
+def build_train_loader(args, log=print):
+    """Training loader (shuffled, augmented, full batches). See the module docstring."""
+    return _build(args, True, log=log)
+
+
+def build_eval_loader(args=None, data=None, data_format=None, log=print, **overrides):
+    """Evaluation loader (resize + centre crop, in order, partial last batch).
+
+    ``data``/``data_format`` default to ``args.val_data`` (or ``train_data``) and
+    ``args.data_format``; keyword overrides (e.g. ``batch_size=``) replace args fields.
+    For ``data_format='builtin'`` the built-in held-out ``val`` split is used.
+    """
+    ns = SimpleNamespace(**(vars(args) if args is not None else {}))
+    for k, v in overrides.items():
+        setattr(ns, k, v)
+    fmt = data_format or _get(ns, "data_format", "rec")
+    if fmt == "builtin":
+        from .builtin import ensure_builtin_dataset
+        ds = ensure_builtin_dataset(root=data or None, seed=int(_get(ns, "builtin_seed", 0)))
+        data, fmt = ds.val_prefix, "rec"
+    elif data is None:
+        data = _get(ns, "val_data", None) or _get(ns, "train_data", None)
+        if not data:
+            raise DataError("no evaluation data given")
+    return _build(ns, False, data=data, fmt=fmt, log=log)
+
+
+__all__ = ["build_train_loader", "build_eval_loader"]

@@ -1,0 +1,310 @@
+"""PyTorch ``DataLoader`` fallback with the DALI loader's contract.
+
+Yields ``(images float32 (B, 3, S, S), tokens int64 (B, 231))``; has ``len()`` and
+``reset()``; reads ``.rec``/``.idx`` (via the pure-Python RecordIO reader) and
+WebDataset shards with a ``tok`` component (via byte ranges from the tar headers).
+
+Choices (documented because they differ in detail from DALI):
+
+* Sharding: every epoch all N samples are permuted with ``seed + epoch`` (the same on
+  every rank) and rank r takes the contiguous slice ``[N*r//W, N*(r+1)//W)``, so ranks
+  are disjoint and together complete within an epoch (DALI shards contiguously and
+  rotates shards between epochs; the coverage property is the same).
+* Training batches are always full and every rank has the same number of batches
+  ``ceil(max shard size / B)``: a short shard is filled by wrapping around its own
+  permutation (DALI's FILL policy with padded shards). Evaluation is in file order,
+  unshuffled, with a partial last batch.
+* Augmentation randomness comes from a per-sample ``random.Random`` seeded by
+  ``(seed, rank, epoch, index)``, so results do not depend on the number of workers.
+  Train: RandomResizedCrop (area 0.7-1.0, aspect 0.8-1.25, 100 attempts, centre crop
+  fallback, as DALI's ``image_random_crop``), resize to S x S bilinear, horizontal flip
+  with p=0.5, CLIP mean/std. Eval: resize the shorter side to ``int(256/224*S)``, centre
+  crop S. JPEGs are decoded with PIL's draft mode at no less than 2S on the short side.
+* ``skip_corrupt``: a record that fails to read or decode is replaced by the next
+  readable one of the same shard and counted (``loader.skipped``, also per epoch in
+  ``loader.skipped_epoch``); otherwise a :class:`DataError` naming file and record is
+  raised.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import random
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .recordio import DataError, RecordIOReader, unpack
+from .tokens import normalize_labels
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_SKIP_TRIES = 64
+
+
+# ----------------------------------------------------------------------------- sources
+
+class RecSource:
+    """Random access to (image bytes, tokens) of a ``.rec`` (optionally a subset of keys)."""
+
+    def __init__(self, prefix: str, entries=None):
+        self.reader = RecordIOReader(prefix)
+        self.entries = list(entries) if entries is not None else list(self.reader.index)
+        if not self.entries:
+            raise DataError("no records to read", self.reader.rec_path)
+
+    def __len__(self):
+        return len(self.entries)
+
+    def name(self, i):
+        return self.reader.rec_path, self.entries[i][0]
+
+    def get(self, i):
+        key, off = self.entries[i]
+        payload = self.reader.read_at(off, key)
+        _, labels, image = unpack(payload, self.reader.rec_path, key)
+        if labels is None:
+            raise DataError("record has no label vector (flag 0)", self.reader.rec_path, key)
+        return image, normalize_labels(labels, self.reader.rec_path, key)
+
+
+class WdsSource:
+    """Random access to samples of indexed WebDataset shards."""
+
+    def __init__(self, index):
+        self.samples = index.samples
+        if not self.samples:
+            raise DataError("no samples to read", ", ".join(index.shards[:3]))
+        self._fhs: dict = {}
+        self._pid = None
+
+    def __getstate__(self):
+        st = self.__dict__.copy()
+        st["_fhs"], st["_pid"] = {}, None
+        return st
+
+    def __len__(self):
+        return len(self.samples)
+
+    def name(self, i):
+        s = self.samples[i]
+        return s.shard, s.key
+
+    def _read(self, path, off, size):
+        if self._pid != os.getpid():
+            self._fhs, self._pid = {}, os.getpid()
+        f = self._fhs.get(path)
+        if f is None:
+            try:
+                f = self._fhs[path] = open(path, "rb")
+            except OSError as e:
+                raise DataError(f"cannot open shard ({e.strerror})", path) from None
+        f.seek(off)
+        data = f.read(size)
+        return data
+
+    def get(self, i):
+        s = self.samples[i]
+        img = self._read(s.shard, s.image[0], s.image[1])
+        tok = self._read(s.shard, s.tok[0], s.tok[1])
+        if len(img) != s.image[1] or len(tok) != s.tok[1]:
+            raise DataError("truncated sample", s.shard, s.key)
+        toks = np.frombuffer(tok, dtype="<i4")
+        return img, normalize_labels(toks, s.shard, s.key)
+
+
+# ----------------------------------------------------------------------------- transforms
+
+def random_resized_crop_params(w: int, h: int, rng: random.Random, scale=(0.7, 1.0),
+                               ratio=(0.8, 1.25), attempts: int = 100):
+    area = w * h
+    log_r = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(attempts):
+        target = area * rng.uniform(*scale)
+        ar = math.exp(rng.uniform(*log_r))
+        cw = int(round(math.sqrt(target * ar)))
+        ch = int(round(math.sqrt(target / ar)))
+        if 0 < cw <= w and 0 < ch <= h:
+            return rng.randint(0, w - cw), rng.randint(0, h - ch), cw, ch
+    # fallback: centre crop with the ratio clamped into range
+    in_r = w / h
+    if in_r < ratio[0]:
+        cw, ch = w, int(round(w / ratio[0]))
+    elif in_r > ratio[1]:
+        ch, cw = h, int(round(h * ratio[1]))
+    else:
+        cw, ch = w, h
+    return (w - cw) // 2, (h - ch) // 2, cw, ch
+
+
+def _to_tensor(im: Image.Image, mean, std) -> torch.Tensor:
+    arr = np.asarray(im, dtype=np.float32)  # H W 3
+    t = torch.from_numpy(arr).permute(2, 0, 1)
+    m = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1) * 255.0
+    s = torch.tensor(std, dtype=torch.float32).view(3, 1, 1) * 255.0
+    return (t - m) / s
+
+
+def decode_image(data: bytes, min_side: int) -> Image.Image:
+    im = Image.open(io.BytesIO(data))
+    if im.format == "JPEG":
+        im.draft("RGB", (min_side, min_side))
+    return im.convert("RGB")
+
+
+def train_transform(im: Image.Image, size: int, rng: random.Random) -> torch.Tensor:
+    x, y, cw, ch = random_resized_crop_params(im.width, im.height, rng)
+    im = im.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
+    if rng.random() < 0.5:
+        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+    return _to_tensor(im, CLIP_MEAN, CLIP_STD)
+
+
+def eval_transform(im: Image.Image, size: int) -> torch.Tensor:
+    short = int(256 / 224 * size)
+    w, h = im.size
+    if w <= h:
+        nw, nh = short, max(1, int(round(h * short / w)))
+    else:
+        nh, nw = short, max(1, int(round(w * short / h)))
+    im = im.resize((nw, nh), Image.BILINEAR)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    im = im.crop((left, top, left + size, top + size))
+    return _to_tensor(im, CLIP_MEAN, CLIP_STD)
+
+
+# ----------------------------------------------------------------------------- dataset
+
+class ImageTextDataset(torch.utils.data.Dataset):
+    def __init__(self, source, size: int, train: bool, seed: int = 0, rank: int = 0,
+                 skip_corrupt: bool = False):
+        self.source, self.size, self.train = source, int(size), train
+        self.seed, self.rank, self.skip_corrupt = seed, rank, skip_corrupt
+        self.epoch = 0
+
+    def __len__(self):
+        return len(self.source)
+
+    def _load(self, i):
+        try:
+            data, tokens = self.source.get(i)
+            im = decode_image(data, 2 * self.size)
+        except DataError:
+            raise
+        except Exception as e:  # PIL/OSError/... while decoding
+            path, key = self.source.name(i)
+            raise DataError(f"undecodable image ({type(e).__name__}: {e})", path, key) from None
+        if self.train:
+            rng = random.Random(hash((self.seed, self.rank, self.epoch, i)) & 0xFFFFFFFF)
+            img = train_transform(im, self.size, rng)
+        else:
+            img = eval_transform(im, self.size)
+        return img, torch.from_numpy(tokens)
+
+    def __getitem__(self, i):
+        skipped = 0
+        n = len(self.source)
+        j = i
+        while True:
+            try:
+                img, tok = self._load(j)
+                return img, tok, skipped
+            except DataError:
+                if not self.skip_corrupt or skipped >= min(MAX_SKIP_TRIES, n - 1):
+                    raise
+                skipped += 1
+                j = (j + 1) % n
+
+
+def _collate(batch):
+    imgs = torch.stack([b[0] for b in batch])
+    toks = torch.stack([b[1] for b in batch]).to(torch.int64)
+    return imgs, toks, sum(b[2] for b in batch)
+
+
+class ShardSampler(torch.utils.data.Sampler):
+    """Per-rank index stream (see module docstring)."""
+
+    def __init__(self, n: int, batch_size: int, rank: int, world_size: int, train: bool,
+                 seed: int = 0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.n, self.bs, self.rank, self.world = n, batch_size, rank, world_size
+        self.train, self.seed, self.epoch = train, seed, 0
+        max_shard = -(-n // world_size)
+        if self.train:
+            self.num_batches = -(-max_shard // batch_size)
+        else:
+            lo, hi = self._bounds()
+            self.num_batches = -(-(hi - lo) // batch_size)
+
+    def _bounds(self):
+        return self.n * self.rank // self.world, self.n * (self.rank + 1) // self.world
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def indices(self) -> list[int]:
+        lo, hi = self._bounds()
+        if not self.train:
+            return list(range(lo, hi))
+        g = torch.Generator()
+        g.manual_seed(self.seed * 1000003 + self.epoch)
+        perm = torch.randperm(self.n, generator=g).tolist()
+        mine = perm[lo:hi]
+        need = self.num_batches * self.bs
+        if not mine:  # more ranks than samples: borrow from the whole permutation
+            mine = perm
+        out = list(mine)
+        while len(out) < need:
+            out.extend(mine[: need - len(out)])
+        return out
+
+    def __iter__(self):
+        return iter(self.indices())
+
+    def __len__(self):
+        return self.num_batches * self.bs if self.train else len(self.indices())
+
+
+class TorchLoader:
+    """Iterable over (images, tokens) batches with ``len()`` and ``reset()``."""
+
+    def __init__(self, source, batch_size: int, input_size: int, workers: int = 0,
+                 train: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 skip_corrupt: bool = False, log=None):
+        self.dataset = ImageTextDataset(source, input_size, train, seed, rank, skip_corrupt)
+        self.sampler = ShardSampler(len(source), batch_size, rank, world_size, train, seed)
+        self.batch_size = batch_size
+        self.workers = max(0, int(workers))
+        self.epoch = 0
+        self.skipped = 0
+        self.skipped_epoch = 0
+        self.log = log
+        self._loader = torch.utils.data.DataLoader(
+            self.dataset, batch_size=batch_size, sampler=self.sampler,
+            num_workers=self.workers, collate_fn=_collate, drop_last=False,
+            persistent_workers=False, prefetch_factor=4 if self.workers else None)
+
+    def __len__(self):
+        return self.sampler.num_batches
+
+    def __iter__(self):
+        self.dataset.epoch = self.epoch
+        self.sampler.set_epoch(self.epoch)
+        self.skipped_epoch = 0
+        for imgs, toks, skipped in self._loader:
+            if skipped:
+                self.skipped += skipped
+                self.skipped_epoch += skipped
+                if self.log:
+                    self.log(f"skipped {skipped} corrupt record(s) "
+                             f"(total {self.skipped})")
+            yield imgs, toks
+
+    def reset(self):
+        """Advance to the next epoch (new permutation and augmentation draws)."""
+        self.epoch += 1

@@ -1,0 +1,139 @@
+"""WebDataset shards with a pre-tokenised ``tok`` component: listing, indexing, checks.
+
+A training sample is a group of tar members sharing a key: an image (``jpg``, also
+``jpeg``/``png``/``webp``) and ``tok`` (231, or 154, little-endian int32 token ids as
+written by :func:`rwkv_clip.data.writers.write_wds`). Other members (txt, json) are
+ignored.
+
+``index_shards`` reads only the tar headers (uncompressed tars are seekable, so this
+is one small read per member) and returns byte ranges, which gives the torch loader
+random access and lets the DALI path reject bad shards in Python before DALI sees
+them.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tarfile
+from dataclasses import dataclass, field
+
+from .recordio import DataError
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+TOK_EXT = "tok"
+
+
+def list_shards(spec) -> list[str]:
+    """Shard list from a folder, a glob, a brace pattern (``a-{000000..000009}.tar``),
+    a ``::``/comma separated list, or a Python list. Raises DataError if none exist."""
+    if isinstance(spec, (list, tuple)):
+        items = list(spec)
+    else:
+        s = str(spec)
+        if os.path.isdir(s):
+            items = sorted(os.path.join(s, p) for p in os.listdir(s) if p.endswith(".tar"))
+            if not items:
+                raise DataError("no .tar shards in folder", s)
+            return items
+        parts = [p for chunk in s.split("::") for p in chunk.split(",") if p]
+        items = []
+        for p in parts:
+            if "{" in p:
+                from braceexpand import braceexpand
+                items.extend(braceexpand(p))
+            elif any(c in p for c in "*?["):
+                found = sorted(glob.glob(p))
+                if not found:
+                    raise DataError("no shards match the pattern", p)
+                items.extend(found)
+            else:
+                items.append(p)
+    for p in items:
+        if not os.path.isfile(p):
+            raise DataError("shard not found", p)
+    if not items:
+        raise DataError("no shards given", str(spec))
+    return items
+
+
+@dataclass
+class WdsSample:
+    shard: str
+    key: str
+    image: tuple       # (offset, size, ext)
+    tok: tuple         # (offset, size)
+
+
+@dataclass
+class WdsIndex:
+    shards: list
+    samples: list = field(default_factory=list)
+    bad: list = field(default_factory=list)         # [(shard, key or None, reason)]
+
+    def __len__(self):
+        return len(self.samples)
+
+
+def index_shards(paths: list[str]) -> WdsIndex:
+    """Scan tar headers of every shard; collect complete samples and problems."""
+    out = WdsIndex(list(paths))
+    for path in paths:
+        n_before = len(out.samples)
+        groups: dict[str, dict] = {}
+        order = []
+        try:
+            if os.path.getsize(path) == 0:
+                raise tarfile.ReadError("empty file")
+            with tarfile.open(path, "r:") as tf:
+                for m in tf:
+                    if not m.isfile():
+                        continue
+                    d, base = os.path.split(m.name)
+                    if "." not in base:
+                        continue
+                    stem, ext = base.split(".", 1)
+                    key = f"{d}/{stem}" if d else stem
+                    if key not in groups:
+                        groups[key] = {}
+                        order.append(key)
+                    groups[key][ext.lower()] = (m.offset_data, m.size)
+            size = os.path.getsize(path)
+        except (tarfile.TarError, OSError, EOFError) as e:
+            out.bad.append((path, None, f"unreadable or truncated shard ({e})"))
+            continue
+        for key in order:
+            g = groups[key]
+            img = next((e for e in IMAGE_EXTS if e in g), None)
+            if img is None:
+                out.bad.append((path, key, "sample has no image component"))
+                continue
+            if TOK_EXT not in g:
+                out.bad.append((path, key, "sample has no 'tok' component (write shards "
+                                           "with scripts/make_rec.py --format wds)"))
+                continue
+            toff, tsize = g[TOK_EXT]
+            if tsize not in (231 * 4, 154 * 4):
+                out.bad.append((path, key, f"'tok' holds {tsize} bytes; expected "
+                                           f"{231 * 4} (231 int32) or {154 * 4}"))
+                continue
+            ioff, isize = g[img]
+            if ioff + isize > size or toff + tsize > size:
+                out.bad.append((path, key, "member data extends past the end of the shard"))
+                continue
+            out.samples.append(WdsSample(path, key, (ioff, isize, img), (toff, tsize)))
+        if len(out.samples) == n_before and not any(b[0] == path for b in out.bad):
+            out.bad.append((path, None, "empty shard (no samples)"))
+    return out
+
+
+def check_wds(spec, skip_corrupt: bool = False) -> WdsIndex:
+    """List + index shards; raise DataError on the first problem unless skip_corrupt."""
+    idx = index_shards(list_shards(spec))
+    if idx.bad and not skip_corrupt:
+        shard, key, reason = idx.bad[0]
+        more = f" (+{len(idx.bad) - 1} more problems)" if len(idx.bad) > 1 else ""
+        raise DataError(reason + more, shard, key)
+    if not idx.samples:
+        raise DataError("no usable samples in the shards", ", ".join(idx.shards[:3]))
+    return idx

@@ -1,0 +1,51 @@
+#!/usr/bin/env python
+"""Turn image-caption pairs into RWKV-CLIP training data (the original's data2rec).
+
+Examples:
+  python scripts/make_rec.py pairs.jsonl out/train            # out/train.rec + .idx
+  python scripts/make_rec.py pairs.csv out/train --resize 256
+  python scripts/make_rec.py img2dataset_out/ out/train --format wds --shard-size 5000
+
+Input: JSONL/CSV with ``image`` (path), ``raw`` caption, optional ``synthetic`` and
+``generated``; or a folder of img2dataset ``NNNNN.tar`` shards. See
+rwkv_clip/data/writers.py for details.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rwkv_clip.data import DataError, convert  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("input", help="JSONL/CSV of pairs, or a folder of img2dataset .tar shards")
+    p.add_argument("output", help="output prefix (PREFIX.rec/.idx, or PREFIX-000000.tar...)")
+    p.add_argument("--format", choices=["rec", "wds"], default="rec")
+    p.add_argument("--resize", type=int, default=None,
+                   help="shrink so the shorter side is at most this many pixels")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per wds shard")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        s = convert(a.input, a.output, fmt=a.format, resize=a.resize,
+                    shard_size=a.shard_size, progress=not a.no_progress)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"written: {s['written']}  skipped: {s['skipped']}")
+    for reason, n in sorted(s["reasons"].items(), key=lambda x: -x[1]):
+        print(f"  {n:8d}  {reason}")
+    for name, reason in s["examples"][:10]:
+        print(f"  e.g. {name}: {reason}")
+    print("outputs: " + json.dumps(s["outputs"] if len(s["outputs"]) <= 4 else
+                                   s["outputs"][:2] + ["..."] + s["outputs"][-1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
