@@ -199,7 +199,7 @@ class Image_RWKV(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, embed_dims))
         self.drop_after_pos = nn.Dropout(p=drop_rate)
         self.out_indices = self._normalise_out_indices(out_indices, depth)
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()
         self.layers = nn.ModuleList(
             Block_V6(embed_dims, num_heads, depth, i, shift_mode, shift_pixel, dpr[i],
                      hidden_rate, init_mode, init_values, post_norm, key_norm,

@@ -141,7 +141,7 @@ def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
         if items:
             shown = ", ".join(items[:12]) + (f", ... ({len(items) - 12} more)" if len(items) > 12 else "")
             lines.append(f"  {title} ({len(items)}): {shown}")
-    if any(k.endswith("pos_embed") for k in shapes):
+    if any(item.startswith("image_model.pos_embed:") for item in shapes):
         lines.append("  (pos_embed differs: the config's input_size/image_patch_size do not "
                      "match the image size the weights were trained at)")
     raise CheckpointError("\n".join(lines))

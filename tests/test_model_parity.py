@@ -1,0 +1,83 @@
+"""The model against data produced by running the original (shared/reference)."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
+from rwkv_clip.config import model_args_from_dict
+
+BACKENDS = ["reference", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def golden(reference_dir):
+    return torch.load(reference_dir / "golden_small.pt", weights_only=True)
+
+
+def _golden_model(golden, backend):
+    model = create_RWKV_Model(model_args_from_dict(dict(golden["config"])))
+    model.load_state_dict(golden["state_dict"], strict=True)
+    model.set_wkv_backend(backend)
+    return model
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_golden_state_dict_layout(golden):
+    model = create_RWKV_Model(model_args_from_dict(dict(golden["config"])))
+    ours = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    theirs = {k: (tuple(v.shape), v.dtype) for k, v in golden["state_dict"].items()}
+    assert list(ours) == list(theirs)
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_golden_eval_features(golden, backend):
+    model = _golden_model(golden, backend).eval()
+    with torch.no_grad():
+        image_features, text_features, logit_scale = model(golden["images"], golden["text"])
+    assert _rel(image_features, golden["image_features"]) < 1e-4
+    assert _rel(text_features, golden["text_features"]) < 1e-4
+    assert torch.allclose(logit_scale, golden["logit_scale"], rtol=1e-6)
+    assert torch.allclose(model.encode_image(golden["images"]), image_features, atol=0)
+
+
+def _direction(n: int) -> torch.Tensor:
+    i = torch.arange(n, dtype=torch.float64)
+    d = torch.sin(0.7071067811865476 * i + 0.3)
+    return d / d.norm()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_golden_loss_and_gradients(golden, backend):
+    model = _golden_model(golden, backend).train()
+    image_features, text_features, logit_scale = model(golden["images"], golden["text"])
+    loss = ClipLoss()(F.normalize(image_features, dim=-1), F.normalize(text_features, dim=-1),
+                      logit_scale)
+    assert abs(loss.item() - golden["loss"]) / golden["loss"] < 1e-3
+    loss.backward()
+    bf16 = set(golden["meta"]["bf16_keys"])
+    for name, param in model.named_parameters():
+        tol = 1e-2 if name in bf16 else 1e-3
+        grad = param.grad.double().flatten()
+        ref_norm, ref_proj = golden["grad_norms"][name], golden["grad_proj"][name]
+        assert abs(grad.norm().item() - ref_norm) <= tol * abs(ref_norm) + 1e-12, name
+        proj = (grad * _direction(grad.numel())).sum().item()
+        assert abs(proj - ref_proj) <= tol * max(abs(ref_proj), 1e-3 * abs(ref_norm)) + 1e-12, name
+
+
+@pytest.mark.parametrize("name", ["B32", "B16"])
+def test_published_manifests(reference_dir, repo_root, name):
+    manifest = json.loads((reference_dir / f"keys_{name}.json").read_text())
+    config_path = repo_root / "model_config" / f"RWKV_CLIP_{name}.json"
+    assert json.loads(config_path.read_text()) == manifest["config"]  # published file unchanged
+    with torch.device("meta"):  # shapes and dtypes only: no 150M-parameter allocation
+        model = create_RWKV_Model(load_model_configs(config_path))
+    ours = [[k, list(v.shape), str(v.dtype).replace("torch.", "")]
+            for k, v in model.state_dict().items()]
+    assert ours == manifest["keys"]
+    assert sum(p.numel() for p in model.parameters()) == manifest["num_parameters"]
