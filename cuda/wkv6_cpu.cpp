@@ -1,0 +1,361 @@
+// Bidirectional WKV6 on the CPU: forward and backward, fp32 math, any T >= 1, any N.
+//
+// Semantics (per batch b, head h; j indexes the key channel, i the value channel):
+//   y[t,i] = sum_j r[t,j] * ( u[j] k[t,j] v[t,i] + A[t-1][j,i] + B[t+1][j,i] )
+//   A[t] = d[t] (.) A[t-1] + k[t] v[t]^T   (causal state, rows scaled by d)
+//   B[t] = d[t] (.) B[t+1] + k[t] v[t]^T   (anti-causal state)
+//   d = exp(-exp(w))
+//
+// Backward, with g = dL/dy:
+//   forward scan  (t ascending):  A and Q[t] = sum_{s<t} D(s,t) r[s] g[s]^T
+//   reverse scan  (t descending): B and P[t] = sum_{s>t} D(t,s) r[s] g[s]^T
+//   dr[t] += A[t-1] g[t] + B[t+1] g[t]; dk[t] += Q[t] v[t] + P[t] v[t];
+//   dv[t] += Q[t]^T k[t] + P[t]^T k[t]; plus the bonus (u) terms.
+//   The log-decay adjoint of channel j at step t collects every path that crosses t:
+//     dlogd[t] = sum_{s<t} k dk_P[s] - sum_{s<=t} r dr_A[s]
+//              + sum_{s>t} k dk_Q[s] - sum_{s>=t} r dr_B[s]
+//   (products per channel), and dw = -exp(w) * dlogd.
+//
+// Work is split over (batch x head) with OpenMP; each thread owns its scratch for the
+// whole call, so nothing is allocated per step. Inner loops run over the N value
+// channels with unit stride and are written for the compiler to vectorise.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+template <typename S>
+inline void load_rows(const S* src, float* dst, int64_t T, int64_t C, int64_t N) {
+    for (int64_t t = 0; t < T; ++t) {
+        const S* s = src + t * C;
+        float* d = dst + t * N;
+        for (int64_t i = 0; i < N; ++i) d[i] = static_cast<float>(s[i]);
+    }
+}
+
+// Copy the (T, N) slab of one (batch, head) from a (B, T, C) tensor into fp32 rows.
+inline void load_slab(const at::Tensor& x, int64_t offset, float* dst, int64_t T, int64_t C, int64_t N) {
+    switch (x.scalar_type()) {
+        case at::kFloat: load_rows(x.data_ptr<float>() + offset, dst, T, C, N); break;
+        case at::kBFloat16: load_rows(x.data_ptr<at::BFloat16>() + offset, dst, T, C, N); break;
+        case at::kHalf: load_rows(x.data_ptr<at::Half>() + offset, dst, T, C, N); break;
+        case at::kDouble: load_rows(x.data_ptr<double>() + offset, dst, T, C, N); break;
+        default: TORCH_CHECK(false, "wkv6_cpu: unsupported dtype ", x.scalar_type());
+    }
+}
+
+template <typename S>
+inline void store_rows(const float* src, S* dst, int64_t T, int64_t C, int64_t N) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* s = src + t * N;
+        S* d = dst + t * C;
+        for (int64_t i = 0; i < N; ++i) d[i] = static_cast<S>(s[i]);
+    }
+}
+
+inline void store_slab(const float* src, at::Tensor& x, int64_t offset, int64_t T, int64_t C, int64_t N) {
+    switch (x.scalar_type()) {
+        case at::kFloat: store_rows(src, x.data_ptr<float>() + offset, T, C, N); break;
+        case at::kBFloat16: store_rows(src, x.data_ptr<at::BFloat16>() + offset, T, C, N); break;
+        case at::kHalf: store_rows(src, x.data_ptr<at::Half>() + offset, T, C, N); break;
+        case at::kDouble: store_rows(src, x.data_ptr<double>() + offset, T, C, N); break;
+        default: TORCH_CHECK(false, "wkv6_cpu: unsupported dtype ", x.scalar_type());
+    }
+}
+
+// Per-call fp32 slabs of one (batch, head): r, k, v, decay, -exp(w), gy as (T, N) rows.
+struct Slabs {
+    std::vector<float> r, k, v, d, ew, g;
+    void resize(int64_t n, bool with_g) {
+        r.resize(n); k.resize(n); v.resize(n); d.resize(n); ew.resize(n);
+        if (with_g) g.resize(n);
+    }
+};
+
+inline void load_inputs(Slabs& s, const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& w, int64_t off, int64_t T, int64_t C, int64_t N) {
+    load_slab(r, off, s.r.data(), T, C, N);
+    load_slab(k, off, s.k.data(), T, C, N);
+    load_slab(v, off, s.v.data(), T, C, N);
+    load_slab(w, off, s.ew.data(), T, C, N);
+    const int64_t n = T * N;
+    for (int64_t q = 0; q < n; ++q) {
+        const float e = -std::exp(s.ew[q]);
+        s.ew[q] = e;
+        s.d[q] = std::exp(e);
+    }
+}
+
+// One direction of the forward pass, accumulated into y (T, N rows of the output).
+// NC > 0 fixes the head size at compile time (better code); NC == 0 uses n.
+template <int NC>
+void forward_scan(const float* r, const float* k, const float* v, const float* d,
+                  const float* u, float* state, float* y, int64_t T, int64_t C, int64_t n,
+                  bool reverse) {
+    const int64_t N = NC > 0 ? NC : n;
+    std::fill(state, state + N * N, 0.0f);
+    for (int64_t step = 0; step < T; ++step) {
+        const int64_t t = reverse ? T - 1 - step : step;
+        const float* rt = r + t * N;
+        const float* kt = k + t * N;
+        const float* vt = v + t * N;
+        const float* dt = d + t * N;
+        float* yt = y + t * C;
+        if (u != nullptr) {  // the bonus term of the causal direction
+            float ruk = 0.0f;
+#pragma omp simd reduction(+ : ruk)
+            for (int64_t j = 0; j < N; ++j) ruk += rt[j] * u[j] * kt[j];
+#pragma omp simd
+            for (int64_t i = 0; i < N; ++i) yt[i] += ruk * vt[i];
+        }
+        for (int64_t j = 0; j < N; ++j) {
+            float* row = state + j * N;
+            const float rj = rt[j], kj = kt[j], dj = dt[j];
+#pragma omp simd
+            for (int64_t i = 0; i < N; ++i) {
+                const float s = row[i];
+                yt[i] += rj * s;
+                row[i] = dj * s + kj * vt[i];
+            }
+        }
+    }
+}
+
+// Per-thread backward scratch.
+struct BackScratch {
+    std::vector<float> X, Y;          // kv-built state and rg-built state (N x N)
+    std::vector<float> dr, dk, dv;    // gradient rows (T x N)
+    std::vector<float> gw;            // final dw rows (T x N)
+    std::vector<double> lam;          // log-decay adjoint partial sums (T x N)
+    std::vector<double> run_a, run_b; // running per-channel sums (N)
+    std::vector<float> sx, sy;        // per-step row reductions (N)
+    void resize(int64_t T, int64_t N) {
+        X.resize(N * N); Y.resize(N * N);
+        dr.resize(T * N); dk.resize(T * N); dv.resize(T * N); gw.resize(T * N);
+        lam.resize(T * N);
+        run_a.resize(N); run_b.resize(N);
+        sx.resize(N); sy.resize(N);
+    }
+};
+
+// One direction of the backward pass. X accumulates k v^T (read with g -> dr),
+// Y accumulates r g^T (read with v -> dk, with k -> dv). Both are used, then updated.
+template <int NC>
+void backward_scan(const Slabs& in, BackScratch& s, int64_t T, int64_t n, bool reverse) {
+    const int64_t N = NC > 0 ? NC : n;
+    float* X = s.X.data();
+    float* Y = s.Y.data();
+    std::fill(X, X + N * N, 0.0f);
+    std::fill(Y, Y + N * N, 0.0f);
+    double* ra = s.run_a.data();  // running sum of r * (X g)
+    double* rb = s.run_b.data();  // running sum of k * (Y v)
+    std::fill(ra, ra + N, 0.0);
+    std::fill(rb, rb + N, 0.0);
+    float* sx = s.sx.data();
+    float* sy = s.sy.data();
+    for (int64_t step = 0; step < T; ++step) {
+        const int64_t t = reverse ? T - 1 - step : step;
+        const float* rt = in.r.data() + t * N;
+        const float* kt = in.k.data() + t * N;
+        const float* vt = in.v.data() + t * N;
+        const float* dt = in.d.data() + t * N;
+        const float* gt = in.g.data() + t * N;
+        float* dvt = s.dv.data() + t * N;
+        for (int64_t j = 0; j < N; ++j) {
+            float* xrow = X + j * N;
+            float* yrow = Y + j * N;
+            const float rj = rt[j], kj = kt[j], dj = dt[j];
+            float ax = 0.0f, ay = 0.0f;
+#pragma omp simd reduction(+ : ax, ay)
+            for (int64_t i = 0; i < N; ++i) {
+                const float x = xrow[i];
+                const float y = yrow[i];
+                ax += x * gt[i];
+                ay += y * vt[i];
+                dvt[i] += kj * y;
+                xrow[i] = dj * x + kj * vt[i];
+                yrow[i] = dj * y + rj * gt[i];
+            }
+            sx[j] = ax;
+            sy[j] = ay;
+        }
+        float* drt = s.dr.data() + t * N;
+        float* dkt = s.dk.data() + t * N;
+        double* lam = s.lam.data() + t * N;
+        for (int64_t j = 0; j < N; ++j) {
+            drt[j] += sx[j];
+            dkt[j] += sy[j];
+            ra[j] += static_cast<double>(rt[j]) * sx[j];
+            rb[j] += static_cast<double>(kt[j]) * sy[j];
+        }
+        if (!reverse) {
+            // forward scan: X = A (gives dr_A), Y = Q (gives dk_Q).
+            // lam[t] = -sum_{s<=t} r dr_A - sum_{s<=t} k dk_Q   (total of k dk_Q added later)
+            for (int64_t j = 0; j < N; ++j) lam[j] = -ra[j] - rb[j];
+        } else {
+            // reverse scan: X = B (gives dr_B), Y = P (gives dk_P).
+            // lam[t] += -sum_{s>=t} r dr_B - sum_{s>=t} k dk_P   (totals added at the end)
+            for (int64_t j = 0; j < N; ++j) lam[j] -= ra[j] + rb[j];
+        }
+    }
+}
+
+void check_args(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& w, const at::Tensor& u) {
+    TORCH_CHECK(r.dim() == 3, "wkv6_cpu: r must be (B, T, C)");
+    for (const at::Tensor* x : {&r, &k, &v, &w}) {
+        TORCH_CHECK(x->sizes() == r.sizes(), "wkv6_cpu: r, k, v, w must have the same shape");
+        TORCH_CHECK(x->is_contiguous(), "wkv6_cpu: inputs must be contiguous");
+        TORCH_CHECK(x->device().is_cpu(), "wkv6_cpu: inputs must be CPU tensors");
+    }
+    TORCH_CHECK(u.dim() == 2 && u.size(0) * u.size(1) == r.size(2),
+                "wkv6_cpu: u must be (H, N) with H * N == C");
+    TORCH_CHECK(r.size(1) >= 1, "wkv6_cpu: T must be >= 1");
+}
+
+template <int NC>
+void forward_impl(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& w, const at::Tensor& u32, at::Tensor& y) {
+    const int64_t B = r.size(0), T = r.size(1), C = r.size(2);
+    const int64_t H = u32.size(0), N = u32.size(1);
+    const float* up = u32.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int nthreads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(B * H)));
+#pragma omp parallel num_threads(nthreads)
+    {
+        Slabs in;
+        in.resize(T * N, false);
+        std::vector<float> state(N * N);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+            const int64_t b = bh / H, h = bh % H;
+            const int64_t off = b * T * C + h * N;
+            load_inputs(in, r, k, v, w, off, T, C, N);
+            float* yb = yp + off;
+            for (int64_t t = 0; t < T; ++t) std::fill(yb + t * C, yb + t * C + N, 0.0f);
+            forward_scan<NC>(in.r.data(), in.k.data(), in.v.data(), in.d.data(), up + h * N,
+                             state.data(), yb, T, C, N, false);
+            forward_scan<NC>(in.r.data(), in.k.data(), in.v.data(), in.d.data(), nullptr,
+                             state.data(), yb, T, C, N, true);
+        }
+    }
+}
+
+template <int NC>
+void backward_impl(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& w, const at::Tensor& u32, const at::Tensor& gy,
+                   at::Tensor& gr, at::Tensor& gk, at::Tensor& gv, at::Tensor& gw,
+                   at::Tensor& gu_part) {
+    const int64_t B = r.size(0), T = r.size(1), C = r.size(2);
+    const int64_t H = u32.size(0), N = u32.size(1);
+    const float* up = u32.data_ptr<float>();
+    float* gup = gu_part.data_ptr<float>();  // (B, H, N)
+    const int nthreads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(B * H)));
+#pragma omp parallel num_threads(nthreads)
+    {
+        Slabs in;
+        in.resize(T * N, true);
+        BackScratch s;
+        s.resize(T, N);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+            const int64_t b = bh / H, h = bh % H;
+            const int64_t off = b * T * C + h * N;
+            load_inputs(in, r, k, v, w, off, T, C, N);
+            load_slab(gy, off, in.g.data(), T, C, N);
+            const float* uh = up + h * N;
+            // Bonus terms: y[t,i] += (sum_j r u k) v[t,i].
+            float* gub = gup + bh * N;
+            std::fill(gub, gub + N, 0.0f);
+            for (int64_t t = 0; t < T; ++t) {
+                const float* rt = in.r.data() + t * N;
+                const float* kt = in.k.data() + t * N;
+                const float* vt = in.v.data() + t * N;
+                const float* gt = in.g.data() + t * N;
+                float vg = 0.0f, ruk = 0.0f;
+#pragma omp simd reduction(+ : vg, ruk)
+                for (int64_t i = 0; i < N; ++i) {
+                    vg += vt[i] * gt[i];
+                    ruk += rt[i] * uh[i] * kt[i];
+                }
+                float* drt = s.dr.data() + t * N;
+                float* dkt = s.dk.data() + t * N;
+                float* dvt = s.dv.data() + t * N;
+#pragma omp simd
+                for (int64_t j = 0; j < N; ++j) {
+                    drt[j] = uh[j] * kt[j] * vg;
+                    dkt[j] = uh[j] * rt[j] * vg;
+                    dvt[j] = ruk * gt[j];
+                    gub[j] += rt[j] * kt[j] * vg;
+                }
+            }
+            backward_scan<NC>(in, s, T, N, false);
+            // run_b now holds sum over all t of k dk_Q: the "s > t" part needs it.
+            std::vector<double>& lam = s.lam;
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t j = 0; j < N; ++j) lam[t * N + j] += s.run_b[j];
+            backward_scan<NC>(in, s, T, N, true);
+            // run_b now holds sum over all t of k dk_P: the "s < t" part needs it.
+            for (int64_t t = 0; t < T; ++t) {
+                const float* ewt = in.ew.data() + t * N;
+                float* gwt = s.gw.data() + t * N;
+                const double* lt = lam.data() + t * N;
+                // No step lies strictly between two others at the ends: exactly zero there.
+                const bool edge = (t == 0 || t == T - 1);
+                for (int64_t j = 0; j < N; ++j)
+                    gwt[j] = edge ? 0.0f : static_cast<float>((lt[j] + s.run_b[j]) * ewt[j]);
+            }
+            store_slab(s.dr.data(), gr, off, T, C, N);
+            store_slab(s.dk.data(), gk, off, T, C, N);
+            store_slab(s.dv.data(), gv, off, T, C, N);
+            store_slab(s.gw.data(), gw, off, T, C, N);
+        }
+    }
+}
+
+template <typename Fn>
+void dispatch_n(int64_t N, Fn&& fn) {
+    switch (N) {
+        case 32: fn(std::integral_constant<int, 32>()); break;
+        case 64: fn(std::integral_constant<int, 64>()); break;
+        case 80: fn(std::integral_constant<int, 80>()); break;
+        case 128: fn(std::integral_constant<int, 128>()); break;
+        default: fn(std::integral_constant<int, 0>()); break;
+    }
+}
+
+at::Tensor wkv6_forward(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& w, const at::Tensor& u) {
+    check_args(r, k, v, w, u);
+    at::Tensor u32 = u.to(at::kFloat).contiguous();
+    at::Tensor y = at::empty(r.sizes(), r.options().dtype(at::kFloat));
+    dispatch_n(u.size(1), [&](auto nc) { forward_impl<decltype(nc)::value>(r, k, v, w, u32, y); });
+    return y;
+}
+
+std::vector<at::Tensor> wkv6_backward(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& w, const at::Tensor& u, const at::Tensor& gy) {
+    check_args(r, k, v, w, u);
+    TORCH_CHECK(gy.sizes() == r.sizes() && gy.is_contiguous(), "wkv6_cpu: gy must be contiguous (B, T, C)");
+    at::Tensor u32 = u.to(at::kFloat).contiguous();
+    at::Tensor gr = at::empty_like(r), gk = at::empty_like(k), gv = at::empty_like(v), gw = at::empty_like(w);
+    const int64_t B = r.size(0), H = u.size(0), N = u.size(1);
+    at::Tensor gu_part = at::empty({B, H, N}, r.options().dtype(at::kFloat));
+    dispatch_n(N, [&](auto nc) {
+        backward_impl<decltype(nc)::value>(r, k, v, w, u32, gy, gr, gk, gv, gw, gu_part);
+    });
+    at::Tensor gu = gu_part.sum(0).to(u.scalar_type());
+    return {gr, gk, gv, gw, gu};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("forward", &wkv6_forward, "bidirectional WKV6 forward (CPU): y = f(r, k, v, w, u), float32");
+    m.def("backward", &wkv6_backward, "bidirectional WKV6 backward (CPU): (gr, gk, gv, gw, gu)");
+}

@@ -1,0 +1,282 @@
+"""The bidirectional WKV6 op: reference vs brute force, native kernels vs reference."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from rwkv_clip.ops import (BACKEND_ENV_VAR, WKVError, wkv6_bidirectional,
+                           wkv6_bidirectional_reference)
+from rwkv_clip.ops import build
+
+HAS_GPU = torch.cuda.is_available()
+HAS_NVCC = build.find_cuda_home() is not None and torch.version.cuda is not None
+HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
+
+
+def brute_force(r, k, v, w, u):
+    """O(T^2) direct evaluation of the defining formula, float64."""
+    B, T, C = r.shape
+    H, N = u.shape
+    r, k, v, w, u = (x.double() for x in (r, k, v, w, u))
+    logd = -torch.exp(w).view(B, T, H, N)
+    rr, kk, vv = (x.view(B, T, H, N) for x in (r, k, v))
+    cum = torch.cumsum(logd, dim=1)  # cum[t] = sum_{q<=t} log d[q]
+    y = torch.zeros(B, T, H, N, dtype=torch.float64)
+    for t in range(T):
+        for s in range(T):
+            if s == t:
+                a = u[None] * kk[:, s]
+            elif s < t:  # decay over s < q < t
+                a = torch.exp(cum[:, t - 1] - cum[:, s]) * kk[:, s]
+            else:        # decay over t < q < s
+                a = torch.exp(cum[:, s - 1] - cum[:, t]) * kk[:, s]
+            y[:, t] += (rr[:, t] * a).sum(-1, keepdim=True) * vv[:, s]
+    return y.view(B, T, C)
+
+
+def make_inputs(B, T, H, N, dtype=torch.float64, seed=0, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    C = H * N
+    r = torch.randn(B, T, C, generator=g, dtype=torch.float64)
+    k = torch.randn(B, T, C, generator=g, dtype=torch.float64) * 0.5
+    v = torch.randn(B, T, C, generator=g, dtype=torch.float64)
+    w = torch.randn(B, T, C, generator=g, dtype=torch.float64) * 0.7 - 1.5
+    u = torch.randn(H, N, generator=g, dtype=torch.float64) * 0.5
+    return [x.to(dtype).requires_grad_(requires_grad) for x in (r, k, v, w, u)]
+
+
+def grads_of(fn, inputs, gy):
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    y = fn(*xs)
+    gs = torch.autograd.grad(y, xs, gy.to(y.dtype), allow_unused=True)
+    gs = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, gs)]
+    return y.detach(), gs
+
+
+def assert_close(a, b, rtol, name=""):
+    a, b = a.double(), b.double()
+    scale = b.abs().max().clamp_min(1e-6)
+    err = (a - b).abs().max() / scale
+    assert err <= rtol, f"{name}: max error {err:.3e} (relative to max |ref| {scale:.3e}) > {rtol}"
+
+
+# ------------------------------------------------------------------- reference op
+@pytest.mark.parametrize("B,T,H,N", [(2, 1, 2, 4), (1, 2, 1, 8), (2, 5, 2, 4), (1, 9, 3, 8)])
+def test_reference_matches_brute_force(B, T, H, N):
+    inputs = make_inputs(B, T, H, N)
+    gy = torch.randn(B, T, H * N, dtype=torch.float64)
+    y_ref, g_ref = grads_of(wkv6_bidirectional_reference, inputs, gy)
+    y_bf, g_bf = grads_of(brute_force, inputs, gy)
+    assert y_ref.dtype == torch.float64
+    torch.testing.assert_close(y_ref, y_bf, rtol=1e-10, atol=1e-10)
+    for name, a, b in zip("rkvwu", g_ref, g_bf):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"grad {name}")
+    # the decay must matter once a step lies between two others
+    if T >= 3:
+        assert g_bf[3].abs().max() > 1e-3
+
+
+def test_reference_gradcheck():
+    inputs = make_inputs(1, 4, 2, 3)
+    assert torch.autograd.gradcheck(wkv6_bidirectional_reference, inputs, eps=1e-6, atol=1e-7)
+
+
+def test_reference_mixed_dtypes_return_float32():
+    r, k, v, w, u = make_inputs(1, 3, 1, 4, dtype=torch.bfloat16, requires_grad=False)
+    y = wkv6_bidirectional_reference(r, k, v, w.float(), u)
+    assert y.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------- CPU kernel
+cpu_kernel = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+
+CPU_SHAPES = [(2, 1, 2, 64), (2, 2, 1, 80), (1, 3, 2, 8), (2, 49, 1, 80), (1, 77, 2, 64),
+              (1, 196, 1, 80), (3, 17, 2, 12)]
+
+
+@cpu_kernel
+@pytest.mark.parametrize("B,T,H,N", CPU_SHAPES)
+def test_cpu_kernel_matches_reference(B, T, H, N):
+    inputs = make_inputs(B, T, H, N, seed=B * 1000 + T)
+    gy = torch.randn(B, T, H * N, dtype=torch.float64)
+    y_ref, g_ref = grads_of(wkv6_bidirectional_reference, inputs, gy)
+    f32 = [x.detach().float() for x in inputs]
+    y, g = grads_of(lambda *a: wkv6_bidirectional(*a, backend="cpu"), f32, gy.float())
+    assert y.dtype == torch.float32 and y.shape == (B, T, H * N)
+    assert_close(y, y_ref, 1e-5, "y")
+    for name, a, b, x in zip("rkvwu", g, g_ref, f32):
+        assert a.dtype == x.dtype and a.shape == x.shape
+        assert_close(a, b, 2e-5, f"grad {name}")
+    if T < 3:  # no step lies strictly between two others: dw is exactly zero
+        assert torch.count_nonzero(g[3]) == 0
+
+
+@cpu_kernel
+def test_cpu_kernel_float64_inputs_exact():
+    inputs = make_inputs(2, 11, 2, 8)
+    gy = torch.randn(2, 11, 16, dtype=torch.float64)
+    _, g_ref = grads_of(wkv6_bidirectional_reference, inputs, gy)
+    y, g = grads_of(lambda *a: wkv6_bidirectional(*a, backend="cpu"), inputs, gy)
+    assert y.dtype == torch.float32 and g[0].dtype == torch.float64
+    for name, a, b in zip("rkvwu", g, g_ref):
+        assert_close(a, b, 1e-5, f"grad {name}")
+
+
+@cpu_kernel
+def test_cpu_kernel_bf16_inputs_and_bf16_params():
+    """Text tower: bf16 activations, bf16 u; w fp32 (the usual mix) and bf16."""
+    B, T, H, N = 2, 77, 2, 64
+    base = make_inputs(B, T, H, N, requires_grad=False)
+    r, k, v = (x.bfloat16() for x in base[:3])
+    for w in (base[3].float(), base[3].bfloat16()):
+        u = base[4].bfloat16()
+        inputs = [r, k, v, w, u]
+        gy = torch.randn(B, T, H * N)
+        exact = [x.double() for x in inputs]  # the reference sees the same rounded values
+        y_ref, g_ref = grads_of(wkv6_bidirectional_reference, exact, gy.double())
+        y, g = grads_of(lambda *a: wkv6_bidirectional(*a, backend="cpu"), inputs, gy)
+        assert y.dtype == torch.float32
+        assert_close(y, y_ref, 1e-5, "y")
+        for name, a, b, x in zip("rkvwu", g, g_ref, inputs):
+            assert a.dtype == x.dtype, f"grad {name} dtype {a.dtype} != {x.dtype}"
+            assert_close(a, b, 1e-2, f"grad {name}")  # bf16 output rounding
+
+
+@cpu_kernel
+def test_cpu_kernel_non_contiguous_inputs():
+    B, T, H, N = 2, 6, 2, 8
+    inputs = make_inputs(B, T, H, N, dtype=torch.float32, requires_grad=False)
+    r_t = inputs[0].transpose(0, 1).contiguous().transpose(0, 1)  # same values, odd strides
+    assert not r_t.is_contiguous()
+    y1 = wkv6_bidirectional(r_t, *inputs[1:], backend="cpu")
+    y2 = wkv6_bidirectional_reference(*inputs)
+    assert_close(y1, y2, 1e-5)
+
+
+# --------------------------------------------------------------- backend selection
+def test_backend_argument_and_env(monkeypatch):
+    inputs = make_inputs(1, 3, 1, 4, dtype=torch.float64, requires_grad=False)
+    monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
+    y = wkv6_bidirectional(*inputs)
+    assert y.dtype == torch.float64  # only the reference keeps float64
+    monkeypatch.setenv(BACKEND_ENV_VAR, "bogus")
+    with pytest.raises(WKVError, match="bogus"):
+        wkv6_bidirectional(*inputs)
+    # the argument wins over the environment
+    y2 = wkv6_bidirectional(*inputs, backend="reference")
+    torch.testing.assert_close(y, y2)
+    with pytest.raises(WKVError, match="nope"):
+        wkv6_bidirectional(*inputs, backend="nope")
+    with pytest.raises(WKVError, match="CUDA tensors"):
+        wkv6_bidirectional(*inputs, backend="cuda")
+
+
+@cpu_kernel
+def test_default_backend_on_cpu_is_native(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    inputs = make_inputs(1, 5, 1, 8, dtype=torch.float64, requires_grad=False)
+    y = wkv6_bidirectional(*inputs)
+    assert y.dtype == torch.float32  # the native kernel returns float32
+    assert_close(y, wkv6_bidirectional_reference(*inputs), 1e-5)
+
+
+# -------------------------------------------------------------------------- errors
+def test_shape_errors():
+    r, k, v, w, u = make_inputs(2, 4, 2, 8, dtype=torch.float32, requires_grad=False)
+    with pytest.raises(WKVError, match="k has shape"):
+        wkv6_bidirectional(r, k[:, :3], v, w, u)
+    with pytest.raises(WKVError, match="not H x N"):
+        wkv6_bidirectional(r, k, v, w, u[:, :4])
+    with pytest.raises(WKVError, match=r"\(B, T, C\)"):
+        wkv6_bidirectional(r[0], k, v, w, u)
+
+
+def test_cuda_size_errors_before_anything_runs():
+    with pytest.raises(WKVError, match="T_max=4096"):
+        build.cuda_t_bucket(5000)
+    assert build.cuda_t_bucket(1) == 256 and build.cuda_t_bucket(257) == 512
+    with pytest.raises(WKVError, match="head size N=66"):
+        build.check_cuda_head_size(66)
+    with pytest.raises(WKVError, match="unknown CUDA WKV variant"):
+        build.resolve_cuda_variant("turbo")
+
+
+def test_cuda_too_long_raises_wkverror_without_compiling(monkeypatch):
+    """run_native checks sizes before building: a fake CUDA call never reaches a compiler."""
+    from rwkv_clip.ops import kernels
+
+    def boom(*a, **k):
+        raise AssertionError("must not build")
+
+    monkeypatch.setattr(build, "get_cuda_kernel", boom)
+    r = torch.zeros(1, 5000, 8)
+    u = torch.zeros(2, 4)
+    with pytest.raises(WKVError, match="exceeds"):
+        kernels.run_native("cuda", r, r, r, r, u)
+    r = torch.zeros(1, 4, 6)
+    with pytest.raises(WKVError, match="head size"):
+        kernels.run_native("cuda", r, r, r, r, torch.zeros(1, 6))
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(WKVError, match="C\\+\\+ compiler"):
+        build._check_cxx()
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(build, "_is_toolkit_root", lambda p: False)
+    with pytest.raises(WKVError, match="CUDA toolkit"):
+        build._prepare_cuda_toolchain()
+
+
+# ---------------------------------------------------------------------- CUDA kernel
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_NVCC, reason="no CUDA toolkit (nvcc)")
+@pytest.mark.parametrize("variant", build.CUDA_VARIANTS)
+def test_cuda_kernel_compiles(variant):
+    mod = build.get_cuda_kernel(64, 77, variant)
+    assert hasattr(mod, "forward") and hasattr(mod, "backward")
+
+
+GPU_SHAPES = [(2, 1, 2, 64), (2, 2, 2, 80), (3, 3, 2, 64), (2, 49, 2, 80), (2, 77, 3, 64),
+              (2, 196, 2, 80), (1, 300, 1, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+@pytest.mark.parametrize("variant", build.CUDA_VARIANTS)
+@pytest.mark.parametrize("B,T,H,N", GPU_SHAPES)
+def test_cuda_kernel_matches_reference(B, T, H, N, variant):
+    inputs = make_inputs(B, T, H, N, seed=T)
+    gy = torch.randn(B, T, H * N, dtype=torch.float64)
+    y_ref, g_ref = grads_of(wkv6_bidirectional_reference, inputs, gy)
+    dev = [x.detach().float().cuda() for x in inputs]
+    from rwkv_clip.ops.kernels import run_native
+    y, g = grads_of(lambda *a: run_native("cuda", *a, variant=variant), dev, gy.float().cuda())
+    assert y.dtype == torch.float32
+    assert_close(y.cpu(), y_ref, 1e-5, "y")
+    for name, a, b in zip("rkvwu", g, g_ref):
+        assert a.dtype == torch.float32
+        assert_close(a.cpu(), b, 5e-5, f"grad {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+@pytest.mark.parametrize("variant", build.CUDA_VARIANTS)
+def test_cuda_kernel_bf16_inputs(variant):
+    B, T, H, N = 2, 77, 2, 64
+    base = make_inputs(B, T, H, N, requires_grad=False)
+    inputs = [x.bfloat16() for x in base[:3]] + [base[3].float(), base[4].bfloat16()]
+    gy = torch.randn(B, T, H * N)
+    _, g_ref = grads_of(wkv6_bidirectional_reference, [x.double() for x in inputs], gy.double())
+    y_ref = wkv6_bidirectional_reference(*[x.double() for x in inputs])
+    from rwkv_clip.ops.kernels import run_native
+    dev = [x.cuda() for x in inputs]
+    y, g = grads_of(lambda *a: run_native("cuda", *a, variant=variant), dev, gy.cuda())
+    assert_close(y.cpu(), y_ref, 1e-5, "y")
+    for name, a, b, x in zip("rkvwu", g, g_ref, inputs):
+        assert a.dtype == x.dtype
+        assert_close(a.cpu(), b, 1e-2, f"grad {name}")
