@@ -117,9 +117,12 @@ def _check_cxx() -> None:
 
 
 def _is_toolkit_root(p: Path) -> bool:
-    return (p / "bin" / "nvcc").is_file() and (
-        any((p / lib).glob("libcudart*") for lib in ("lib64", "lib"))
-        or any((p / "targets").glob("*/lib/libcudart*")))
+    """A CUDA toolkit root: bin/nvcc, include/cuda_runtime.h and a libcudart."""
+    if not ((p / "bin" / "nvcc").is_file() and (p / "include" / "cuda_runtime.h").is_file()):
+        return False
+    libs = [*p.glob("lib64/libcudart*"), *p.glob("lib/libcudart*"),
+            *p.glob("targets/*/lib/libcudart*")]
+    return bool(libs)
 
 
 def find_cuda_home() -> Path | None:
