@@ -1,0 +1,127 @@
+"""Pieces shared by classification and retrieval: autocast, sharded image loading with
+readable errors, batched text encoding."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from .datasets import ImageReadError
+from .distributed import DistInfo, current, gather_rows, shard_range
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str):
+    """Autocast context for ``precision`` (fp32: none)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class _Guarded(Dataset):
+    """Rows ``indices`` of ``base``; a failing read is returned as an error string, so
+    the main process can raise one clear error (also with worker processes)."""
+
+    def __init__(self, base: Dataset, indices: Sequence[int], describe: Callable[[int], str]):
+        self.base, self.indices, self.describe = base, list(indices), describe
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        idx = self.indices[i]
+        try:
+            image, target = self.base[idx]
+        except Exception as exc:  # noqa: BLE001 - reported to the user with the file name
+            return None, -1, idx, f"{self.describe(idx)}: {type(exc).__name__}: {exc}"
+        return image, int(target), idx, ""
+
+
+def _collate(batch):
+    errors = [b[3] for b in batch if b[3]]
+    if errors:
+        return {"errors": errors}
+    images = torch.stack([b[0] for b in batch])
+    targets = torch.tensor([b[1] for b in batch], dtype=torch.long)
+    indices = torch.tensor([b[2] for b in batch], dtype=torch.long)
+    return {"images": images, "targets": targets, "indices": indices}
+
+
+@torch.no_grad()
+def encode_image_shard(model, dataset: Dataset, device: torch.device, batch_size: int,
+                       workers: int = 0, precision: str = "fp32",
+                       describe: Callable[[int], str] | None = None,
+                       fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       info: DistInfo | None = None) -> tuple[torch.Tensor, ...]:
+    """Encode this rank's shard of ``dataset`` (items ``(image tensor, label)``); returns
+    ``(indices, targets, outputs)`` with ``outputs = fn(L2-normalised float32 image
+    features)`` (identity when ``fn`` is None). No sample is padded or repeated."""
+    info = info or current()
+    shard = shard_range(len(dataset), info.rank, info.world_size)
+    loader = DataLoader(_Guarded(dataset, shard, describe or (lambda i: f"sample {i}")),
+                        batch_size=batch_size, shuffle=False, num_workers=workers,
+                        collate_fn=_collate, drop_last=False)
+    all_idx, all_tgt, all_out = [], [], []
+    for batch in loader:
+        if "errors" in batch:
+            raise ImageReadError(f"cannot read image {batch['errors'][0]}"
+                                 + (f" (and {len(batch['errors']) - 1} more in this batch)"
+                                    if len(batch["errors"]) > 1 else ""))
+        with autocast(device, precision):
+            feats = model.encode_image(batch["images"].to(device, non_blocking=True))
+        feats = F.normalize(feats.float(), dim=-1)
+        out = fn(feats) if fn is not None else feats
+        all_idx.append(batch["indices"])
+        all_tgt.append(batch["targets"])
+        all_out.append(out.float().cpu())
+    if not all_out:  # an empty shard (more ranks than samples): shapes still line up
+        width = fn(torch.zeros(0, _feature_width(model), device=device)).shape[1] if fn else _feature_width(model)
+        return (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                torch.zeros(0, width))
+    return torch.cat(all_idx), torch.cat(all_tgt), torch.cat(all_out)
+
+
+def _feature_width(model) -> int:
+    return int(model.image_model.embed_dims)
+
+
+@torch.no_grad()
+def encode_images_gathered(model, dataset: Dataset, device: torch.device, batch_size: int,
+                           workers: int = 0, precision: str = "fp32",
+                           describe: Callable[[int], str] | None = None,
+                           fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                           info: DistInfo | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank encodes its shard; returns ``(targets, outputs)`` for the whole set in
+    sample order on every rank."""
+    info = info or current()
+    idx, tgt, out = encode_image_shard(model, dataset, device, batch_size, workers, precision,
+                                       describe, fn, info)
+    targets, outputs = gather_rows(idx, tgt, out, info=info)
+    if targets.shape[0] != len(dataset):
+        raise RuntimeError(f"gathered {targets.shape[0]} rows for {len(dataset)} samples")
+    return targets, outputs
+
+
+@torch.no_grad()
+def encode_texts(model, texts: Sequence[str], device: torch.device, batch_size: int,
+                 precision: str = "fp32") -> torch.Tensor:
+    """(len(texts), C) L2-normalised float32 text features."""
+    from ..tokenizer import tokenize
+
+    feats = []
+    ctx_len = getattr(getattr(model.text_model, "args", None), "ctx_len", 77)
+    for start in range(0, len(texts), batch_size):
+        tokens = tokenize(list(texts[start:start + batch_size]), context_length=ctx_len)
+        with autocast(device, precision):
+            f = model.encode_text(tokens.to(device))
+        feats.append(F.normalize(f.float(), dim=-1).cpu())
+    if not feats:
+        raise ValueError("no texts to encode")
+    return torch.cat(feats)

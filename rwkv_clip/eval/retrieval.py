@@ -1,0 +1,211 @@
+"""Zero-shot image-text retrieval: MSCOCO 5k / Flickr30k 1k test splits, or any JSONL.
+
+Accepted annotation files:
+
+* JSONL, one object per line: ``{"image": "relative/or/absolute.jpg", "captions": [...]}``
+  (``"caption"`` as a string or list is accepted too);
+* the Karpathy-split test files the original reads (ALBEF/BLIP ``coco_karpathy_test.json``,
+  ``flickr30k_test.json``): a JSON list of ``{"image": ..., "caption": [...]}``;
+* Karpathy's own ``dataset_coco.json`` / ``dataset_flickr30k.json``
+  (``{"images": [{"filepath", "filename", "split", "sentences": [{"raw"}]}]}``), of which
+  the ``test`` split is used.
+
+Image paths are relative to the image root; like the original we also try the file name
+alone. The original prefixes every caption with ``"a photo of "`` for COCO and Flickr;
+that stays the default there (``caption_prefix``), JSONL files get no prefix.
+
+Metrics: image->text (``text_retrieval_recall@k``) and text->image
+(``image_retrieval_recall@k``) for k = 1, 5, 10; a query counts when any of its
+positives is among its top k (CLIP_benchmark names, fractions in [0, 1]).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .common import encode_images_gathered, encode_texts
+from .datasets import DatasetNotFoundError, EvalError, ImageListDataset
+from .distributed import DistInfo, current, gather_rows, shard_range
+from .metrics import retrieval_metrics
+
+ORIGINAL_CAPTION_PREFIX = "a photo of "
+RETRIEVAL_ALIASES = {"coco": "mscoco", "mscoco_captions": "mscoco", "mscoco": "mscoco",
+                     "flickr": "flickr30k", "flickr30k": "flickr30k"}
+ANNOTATION_CANDIDATES = {
+    "mscoco": ("coco_karpathy_test.json", "annotations/coco_karpathy_test.json",
+               "dataset_coco.json", "annotations/dataset_coco.json"),
+    "flickr30k": ("flickr30k_test.json", "annotations/flickr30k_test.json",
+                  "dataset_flickr30k.json", "annotations/dataset_flickr30k.json"),
+}
+IMAGE_DIR_CANDIDATES = {
+    "mscoco": (".", "images"),
+    "flickr30k": (".", "flickr30k-images", "images"),
+}
+RETRIEVAL_LAYOUTS = {
+    "mscoco": "{root}/coco_karpathy_test.json  (or dataset_coco.json, also under annotations/)\n"
+              "{root}/val2014/COCO_val2014_*.jpg",
+    "flickr30k": "{root}/flickr30k_test.json  (or dataset_flickr30k.json, also under annotations/)\n"
+                 "{root}/flickr30k-images/*.jpg",
+}
+
+
+@dataclass
+class RetrievalSet:
+    name: str
+    image_paths: list[str]
+    captions: list[str]
+    text_to_image: list[int]
+
+    @property
+    def num_images(self) -> int:
+        return len(self.image_paths)
+
+
+def _records_from_file(path: Path) -> list[tuple[str, list[str]]]:
+    """(image, captions) records from a JSONL, Karpathy-test list or Karpathy dataset file."""
+    text = path.read_text("utf-8")
+    records: list[tuple[str, list[str]]] = []
+    if path.suffix.lower() == ".jsonl":
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise EvalError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+            records.append(_record(obj, f"{path}:{lineno}"))
+        return records
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EvalError(f"{path}: not valid JSON ({exc})") from None
+    if isinstance(data, dict) and isinstance(data.get("images"), list):  # Karpathy's format
+        for i, img in enumerate(data["images"]):
+            if img.get("split") != "test":
+                continue
+            rel = os.path.join(img.get("filepath", ""), img["filename"])
+            caps = [s["raw"] if isinstance(s, dict) else str(s) for s in img.get("sentences", [])]
+            records.append((rel, caps))
+        if not records:
+            raise EvalError(f"{path}: no images with split 'test'")
+        return records
+    if isinstance(data, list):
+        return [_record(obj, f"{path} entry {i}") for i, obj in enumerate(data)]
+    raise EvalError(f"{path}: expected JSONL lines, a JSON list of {{image, caption}} or "
+                    "Karpathy's {images: [...]} file")
+
+
+def _record(obj, where: str) -> tuple[str, list[str]]:
+    if not isinstance(obj, dict) or "image" not in obj:
+        raise EvalError(f"{where}: expected an object with 'image' and 'captions'")
+    caps = obj.get("captions", obj.get("caption"))
+    if isinstance(caps, str):
+        caps = [caps]
+    if not isinstance(caps, list) or not caps or not all(isinstance(c, str) for c in caps):
+        raise EvalError(f"{where}: 'captions' must be a non-empty list of strings")
+    return str(obj["image"]), caps
+
+
+def _resolve_image(rel: str, roots: Sequence[Path]) -> str | None:
+    p = Path(rel)
+    if p.is_absolute():
+        return str(p) if p.is_file() else None
+    for root in roots:
+        for cand in (root / p, root / p.name):
+            if cand.is_file():
+                return str(cand)
+    return None
+
+
+def load_retrieval_file(path: str | os.PathLike, image_root: str | os.PathLike | None = None,
+                        name: str | None = None, caption_prefix: str = "",
+                        image_dirs: Sequence[str] = (".",)) -> RetrievalSet:
+    """Read an annotation file; images are looked up under ``image_root`` (default: the
+    file's folder) and its ``image_dirs`` sub-folders."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetNotFoundError(f"retrieval file {path} does not exist")
+    root = Path(image_root) if image_root is not None else path.parent
+    roots = [root / d for d in image_dirs]
+    records = _records_from_file(path)
+    if not records:
+        raise EvalError(f"{path}: no records")
+    images, captions, t2i = [], [], []
+    for i, (rel, caps) in enumerate(records):
+        resolved = _resolve_image(rel, roots)
+        if resolved is None:
+            raise DatasetNotFoundError(f"{path}: image {rel!r} not found (looked under "
+                                       f"{', '.join(str(r) for r in roots)})")
+        images.append(resolved)
+        captions.extend(caption_prefix + c for c in caps)
+        t2i.extend([i] * len(caps))
+    return RetrievalSet(name or path.stem, images, captions, t2i)
+
+
+def build_retrieval_set(name: str, data_root: str | os.PathLike | None = None,
+                        retrieval_file: str | os.PathLike | None = None,
+                        caption_prefix: str | None = None) -> RetrievalSet:
+    """``mscoco``/``coco``, ``flickr30k``/``flickr`` (annotation found under
+    ``data_root`` unless ``retrieval_file`` is given) or ``jsonl`` (``retrieval_file``,
+    images relative to ``data_root`` or the file's folder)."""
+    key = RETRIEVAL_ALIASES.get(name.lower(), name.lower())
+    if key in ("jsonl", "retrieval", "custom"):
+        if retrieval_file is None:
+            raise EvalError(f"--dataset {name} needs --retrieval-file FILE.jsonl")
+        return load_retrieval_file(retrieval_file, data_root, name="jsonl" if key == "jsonl" else key,
+                                   caption_prefix=caption_prefix or "")
+    if key not in ANNOTATION_CANDIDATES:
+        raise EvalError(f"unknown retrieval dataset {name!r}: choose mscoco, flickr30k or jsonl")
+    prefix = ORIGINAL_CAPTION_PREFIX if caption_prefix is None else caption_prefix
+    if data_root is None and retrieval_file is None:
+        raise EvalError(f"retrieval set {key!r} needs --data-root. Expected layout:\n    "
+                        + RETRIEVAL_LAYOUTS[key].format(root="<data-root>").replace("\n", "\n    "))
+    root = Path(data_root) if data_root is not None else Path(retrieval_file).parent
+    ann = Path(retrieval_file) if retrieval_file else next(
+        (root / c for c in ANNOTATION_CANDIDATES[key] if (root / c).is_file()), None)
+    if ann is None:
+        raise DatasetNotFoundError(
+            f"retrieval set {key!r} not found under --data-root {root}. Expected layout:\n    "
+            + RETRIEVAL_LAYOUTS[key].format(root=root).replace("\n", "\n    "))
+    return load_retrieval_file(ann, root, name=key, caption_prefix=prefix,
+                               image_dirs=IMAGE_DIR_CANDIDATES[key])
+
+
+@torch.no_grad()
+def encode_texts_sharded(model, texts: Sequence[str], device: torch.device, batch_size: int,
+                         precision: str = "fp32", info: DistInfo | None = None) -> torch.Tensor:
+    """Each rank encodes a contiguous shard of ``texts``; all ranks get every feature."""
+    info = info or current()
+    shard = shard_range(len(texts), info.rank, info.world_size)
+    if len(shard):
+        feats = encode_texts(model, [texts[i] for i in shard], device, batch_size, precision)
+    else:
+        feats = torch.zeros(0, int(model.image_model.embed_dims))
+    (out,) = gather_rows(torch.tensor(list(shard), dtype=torch.long), feats, info=info)
+    return out
+
+
+def evaluate_retrieval(model, rset: RetrievalSet, transform, device: torch.device | str,
+                       batch_size: int = 64, workers: int = 0, precision: str = "fp32",
+                       text_batch_size: int = 256, ks: Sequence[int] = (1, 5, 10),
+                       info: DistInfo | None = None) -> dict:
+    """Recall@k both ways plus ``num_images``/``num_texts``; same on every rank."""
+    device = torch.device(device)
+    info = info or current()
+    was_training = model.training
+    model.eval()
+    try:
+        images = ImageListDataset([(p, i) for i, p in enumerate(rset.image_paths)], transform)
+        _, img_feats = encode_images_gathered(model, images, device, batch_size, workers, precision,
+                                              describe=lambda i: rset.image_paths[i], info=info)
+        txt_feats = encode_texts_sharded(model, rset.captions, device, text_batch_size, precision, info)
+    finally:
+        model.train(was_training)
+    metrics = retrieval_metrics(img_feats, txt_feats, rset.text_to_image, ks)
+    metrics.update(num_images=rset.num_images, num_texts=len(rset.captions))
+    return metrics
