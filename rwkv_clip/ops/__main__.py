@@ -1,0 +1,86 @@
+"""``python -m rwkv_clip.ops build``: compile the native WKV kernels ahead of time.
+
+Builds the CPU kernel (one build serves every head size; N=64 and N=80 are checked by
+loading it) and, when a CUDA toolkit is found (a GPU is not needed), the CUDA kernels the
+published configs use: text head size 64 with ctx 77, image head size 80 with 49 (B/32)
+and 196 (B/16) tokens - all in the T_max=256 bucket.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+# (what, head size N, sequence length T) for the published configs
+PUBLISHED = (
+    ("text tower, ctx 77", 64, 77),
+    ("image tower B/32, 49 tokens", 80, 49),
+    ("image tower B/16, 196 tokens", 80, 196),
+)
+
+
+def _build(args) -> int:
+    from . import WKVError
+    from . import build
+
+    failures = 0
+    print(f"kernel cache: {build.cache_root()}")
+    print(f"kernel sources: {build.source_dir()}")
+    if not args.no_cpu:
+        t0 = time.time()
+        try:
+            mod = build.get_cpu_kernel(verbose=args.verbose)
+            print(f"[ok] cpu kernel {build.cpu_kernel_name()} (serves N=64 and N=80, any T) "
+                  f"-> {mod.__file__} ({time.time() - t0:.0f}s)")
+        except WKVError as e:
+            failures += 1
+            print(f"[failed] cpu kernel: {e}")
+    if args.no_cuda:
+        return failures
+    home = build.find_cuda_home()
+    if home is None:
+        print("[skipped] CUDA kernels: no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
+        return failures
+    variants = build.CUDA_VARIANTS if args.variant == "all" else (args.variant,)
+    done = set()
+    for variant in variants:
+        for what, N, T in PUBLISHED:
+            key = (variant, N, build.cuda_t_bucket(T))
+            if key in done:
+                print(f"[ok] cuda {variant} N={N} T_max={key[2]} ({what}): already built above")
+                continue
+            t0 = time.time()
+            try:
+                mod = build.get_cuda_kernel(N, T, variant, verbose=args.verbose)
+                done.add(key)
+                print(f"[ok] cuda {variant} N={N} T_max={key[2]} ({what}) -> {mod.__file__} "
+                      f"({time.time() - t0:.0f}s, toolkit {home})")
+            except (WKVError, RuntimeError, OSError) as e:
+                failures += 1
+                print(f"[failed] cuda {variant} N={N} T={T} ({what}): {e}")
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rwkv_clip.ops",
+        description="Native WKV kernel tools. 'build' compiles every variant the published "
+                    "configs need into the on-disk cache (CUDA too when nvcc exists, even "
+                    "without a GPU).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="compile the CPU and CUDA WKV kernels into the cache")
+    b.add_argument("--no-cpu", action="store_true", help="skip the CPU kernel")
+    b.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels")
+    b.add_argument("--variant", default="faithful", choices=("faithful", "fast", "all"),
+                   help="which CUDA variant(s) to build (default: faithful, the default one)")
+    b.add_argument("--verbose", action="store_true", help="show compiler output")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        failures = _build(args)
+        print("done" if not failures else f"{failures} build(s) failed")
+        return 1 if failures else 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
