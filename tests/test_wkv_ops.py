@@ -241,6 +241,110 @@ def test_cuda_kernel_compiles(variant):
     assert hasattr(mod, "forward") and hasattr(mod, "backward")
 
 
+# ------------------------------------------------- CUDA kernel logic, emulated on the CPU
+# The .cu sources compile as plain C++ with -DWKV_EMULATE and this shim: every block runs
+# its WKV_N threads as std::threads with a barrier for __syncthreads, one block at a time.
+# This checks the kernels' indexing and math against the reference on machines without a
+# GPU (fp32 instantiation; small head sizes so it stays fast).
+EMU_SHIM = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <thread>
+#include <vector>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(n)
+#define __align__(n) __attribute__((aligned(n)))
+#define __expf expf
+struct float4 { float x, y, z, w; };
+struct Dim3 { int x; };
+static thread_local Dim3 threadIdx, blockIdx;
+static std::barrier<>* g_barrier;
+inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+template <typename Fn>
+static void run_blocks(int nblocks, Fn fn) {
+    for (int b = 0; b < nblocks; ++b) {
+        std::barrier<> bar(WKV_N);
+        g_barrier = &bar;
+        std::vector<std::thread> th;
+        for (int i = 0; i < WKV_N; ++i)
+            th.emplace_back([=] { threadIdx.x = i; blockIdx.x = b; fn(); });
+        for (auto& t : th) t.join();
+    }
+}
+"""
+
+EMU_HARNESS = {
+    "faithful": r"""
+extern "C" void emu_forward(int B, int T, int C, int H, const float* r, const float* k,
+                            const float* v, const float* w, const float* u, float* y) {
+    run_blocks(B * H, [=] { wkv_forward<float, float>(T, C, H, r, k, v, w, u, y); });
+}
+extern "C" void emu_backward(int B, int T, int C, int H, const float* r, const float* k,
+                             const float* v, const float* w, const float* u, const float* gy,
+                             float* gr, float* gk, float* gv, float* gw, float* gu) {
+    run_blocks(B * H, [=] { wkv_backward_rkvu<float, float>(T, C, H, r, k, v, w, u, gy, gr, gk, gv, gu); });
+    run_blocks(B * H, [=] { wkv_backward_w<float, float>(T, C, H, r, k, v, w, gy, gw); });
+}
+""",
+}
+
+EMU_SOURCES = {"faithful": "wkv6_cuda.cu", "fast": "wkv6_cuda_fast.cu"}
+
+
+def _build_emulator(tmp_path, variant, N, t_max):
+    import ctypes
+    import subprocess
+    src_dir = build.source_dir()
+    cu = src_dir / EMU_SOURCES[variant]
+    if not cu.is_file():
+        pytest.skip(f"{cu.name} not present")
+    (tmp_path / "shim.h").write_text(EMU_SHIM)
+    harness = tmp_path / "harness.cpp"
+    harness.write_text(f'#include "shim.h"\n#include "{cu}"\n' + EMU_HARNESS[variant])
+    so = tmp_path / f"emu_{variant}_{N}.so"
+    cxx = shutil.which("g++") or shutil.which("c++")
+    cmd = [cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-Wno-unknown-pragmas", "-DWKV_EMULATE",
+           f"-DWKV_N={N}", f"-DWKV_TMAX={t_max}", f"-I{tmp_path}", str(harness), "-o", str(so),
+           "-lpthread"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return ctypes.CDLL(str(so))
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+@pytest.mark.parametrize("variant", ["faithful", "fast"])
+@pytest.mark.parametrize("N", [8, 12])
+def test_cuda_kernel_logic_emulated_on_cpu(tmp_path, variant, N):
+    import ctypes
+    if variant not in EMU_HARNESS:
+        pytest.skip(f"no emulation harness for {variant}")
+    t_max = 16
+    lib = _build_emulator(tmp_path, variant, N, t_max)
+
+    def ptr(t):
+        return ctypes.c_void_p(t.data_ptr())
+
+    for B, T, H in [(1, 1, 2), (2, 2, 1), (1, 3, 2), (2, 4, 1), (1, 9, 2), (1, t_max, 1)]:
+        C = H * N
+        inputs = make_inputs(B, T, H, N, seed=T + N)
+        gy = torch.randn(B, T, C, dtype=torch.float64)
+        y_ref, g_ref = grads_of(wkv6_bidirectional_reference, inputs, gy)
+        f32 = [x.detach().float().contiguous() for x in inputs]
+        g32 = gy.float().contiguous()
+        y = torch.full((B, T, C), float("nan"))
+        lib.emu_forward(B, T, C, H, *map(ptr, f32), ptr(y))
+        outs = [torch.full((B, T, C), float("nan")) for _ in range(4)] + [torch.full((B, C), float("nan"))]
+        lib.emu_backward(B, T, C, H, *map(ptr, f32), ptr(g32), *map(ptr, outs))
+        outs[4] = outs[4].sum(0).view(H, N)
+        assert_close(y, y_ref, 1e-5, f"{variant} y T={T}")
+        for name, a, b in zip("rkvwu", outs, g_ref):
+            assert_close(a, b, 2e-5, f"{variant} grad {name} (B={B}, T={T}, H={H}, N={N})")
+
+
 GPU_SHAPES = [(2, 1, 2, 64), (2, 2, 2, 80), (3, 3, 2, 64), (2, 49, 2, 80), (2, 77, 3, 64),
               (2, 196, 2, 80), (1, 300, 1, 64)]
 
