@@ -93,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text-batch-size", type=int, default=256,
                    help="prompts/captions per text batch (default 256)")
     g.add_argument("--workers", type=int, default=2, help="data loader worker processes (default 2)")
-    g.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                   help="autocast dtype for the encoders (features and logits are float32 either way)")
+    g.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16", "tf32"),
+                   help="autocast dtype for the encoders (features and logits are float32 either "
+                        "way); tf32 = fp32 with TF32 matmuls on CUDA")
     g.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available; under torchrun each rank "
                         "uses cuda:LOCAL_RANK)")

@@ -264,3 +264,25 @@ def test_cli_default_builtin_split(tmp_path):
     record = json.loads((tmp_path / "builtin_zeroshot_classification.json").read_text())
     check_schema(record, "zeroshot_classification")
     assert record["num_samples"] > 0
+
+
+def test_original_script_flags(data, tiny_weights, tmp_path, capsys):
+    """The original shell script passes the architecture as flags (no --config); here the
+    tiny model's values, plus the flags it passes that we ignore."""
+    rc, out, err = run_main(
+        capsys, "--pretrained", tiny_weights, "--model-type", "V_T_rwkv", "--model-name", "tiny-flags",
+        "--input-size", 16, "--image-depth", 2, "--image-embed-dims", 64, "--image-patch-size", 4,
+        "--image-hidden-rate", 1, "--image-num-heads", 2, "--ctx-len", 77, "--vocab-size", 49408,
+        "--head-size", 32, "--head-size-divisor", 8, "--n-embd", 64, "--n-layer", 2,
+        "--text-initialization", "True", "--dropout", 0.0, "--precision", "tf32",
+        "--dataset", "imagefolder", "--data-root", data["folder"], "--templates", data["templates"],
+        "--workers", 0, "--device", "cpu", "--output-dir", tmp_path / "zero_shot_imagenet.txt")
+    assert rc == 0, err
+    record = json.loads((tmp_path / "imagefolder_zeroshot_classification.json").read_text())
+    assert record["model"] == "tiny-flags" and record["pretrained"] == str(tiny_weights)
+    assert (tmp_path / "zero_shot_imagenet.txt").read_text().count("\n") == 1
+    # a wrong architecture flag is caught against the weights
+    rc, _, err = run_main(capsys, "--pretrained", tiny_weights, "--config", TINY, "--n-layer", 3,
+                          "--dataset", "imagefolder", "--data-root", data["folder"], "--device", "cpu",
+                          "--output-dir", tmp_path)
+    assert_one_line_error(rc, err, "missing keys", "text_model.blocks.2")

@@ -194,6 +194,10 @@ def _run(opts, info: DistInfo) -> list[dict]:
     from ..transform import image_transform
 
     device = resolve_device(opts, info)
+    if opts.precision == "tf32":  # the original's fourth choice: fp32 with TF32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        opts.precision = "fp32"
     plan = dataset_plan(opts)
     json_dir, score_file = output_paths(opts)
     model, args, model_name, pretrained = build_model(opts, device, info)
