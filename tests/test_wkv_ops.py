@@ -260,18 +260,27 @@ EMU_SHIM = r"""
 #define __align__(n) __attribute__((aligned(n)))
 #define __expf expf
 struct float4 { float x, y, z, w; };
-struct Dim3 { int x; };
+#include <mutex>
+struct Dim3 { int x, y; };
 static thread_local Dim3 threadIdx, blockIdx;
 static std::barrier<>* g_barrier;
+static std::mutex g_atomic;
 inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+inline float atomicAdd(float* p, float x) {
+    std::lock_guard<std::mutex> lock(g_atomic);
+    const float old = *p;
+    *p = old + x;
+    return old;
+}
+// Blocks run one after another (in reverse order, so nothing relies on block order).
 template <typename Fn>
-static void run_blocks(int nblocks, Fn fn) {
-    for (int b = 0; b < nblocks; ++b) {
+static void run_blocks(int nx, int ny, Fn fn) {
+    for (int b = nx * ny - 1; b >= 0; --b) {
         std::barrier<> bar(WKV_N);
         g_barrier = &bar;
         std::vector<std::thread> th;
         for (int i = 0; i < WKV_N; ++i)
-            th.emplace_back([=] { threadIdx.x = i; blockIdx.x = b; fn(); });
+            th.emplace_back([=] { threadIdx.x = i; blockIdx.x = b % nx; blockIdx.y = b / nx; fn(); });
         for (auto& t : th) t.join();
     }
 }
@@ -281,13 +290,36 @@ EMU_HARNESS = {
     "faithful": r"""
 extern "C" void emu_forward(int B, int T, int C, int H, const float* r, const float* k,
                             const float* v, const float* w, const float* u, float* y) {
-    run_blocks(B * H, [=] { wkv_forward<float, float>(T, C, H, r, k, v, w, u, y); });
+    run_blocks(B * H, 1, [=] { wkv_forward<float, float>(T, C, H, r, k, v, w, u, y); });
 }
 extern "C" void emu_backward(int B, int T, int C, int H, const float* r, const float* k,
                              const float* v, const float* w, const float* u, const float* gy,
                              float* gr, float* gk, float* gv, float* gw, float* gu) {
-    run_blocks(B * H, [=] { wkv_backward_rkvu<float, float>(T, C, H, r, k, v, w, u, gy, gr, gk, gv, gu); });
-    run_blocks(B * H, [=] { wkv_backward_w<float, float>(T, C, H, r, k, v, w, gy, gw); });
+    run_blocks(B * H, 1, [=] { wkv_backward_rkvu<float, float>(T, C, H, r, k, v, w, u, gy, gr, gk, gv, gu); });
+    run_blocks(B * H, 1, [=] { wkv_backward_w<float, float>(T, C, H, r, k, v, w, gy, gw); });
+}
+""",
+    "fast": r"""
+#include <cstring>
+extern "C" void emu_forward(int B, int T, int C, int H, const float* r, const float* k,
+                            const float* v, const float* w, const float* u, float* y) {
+    std::memset(y, 0, sizeof(float) * B * T * C);
+    run_blocks(B * H, 2, [=] { fast_forward<float, float>(T, C, H, r, k, v, w, u, y); });
+}
+extern "C" void emu_backward(int B, int T, int C, int H, const float* r, const float* k,
+                             const float* v, const float* w, const float* u, const float* gy,
+                             float* gr, float* gk, float* gv, float* gw, float* gu) {
+    const long n = (long)B * T * C;
+    std::vector<float> work(5 * n, 1e30f);  // garbage except the zeroed dv part
+    std::memset(work.data() + 4 * n, 0, sizeof(float) * n);
+    float* wk = work.data();
+    run_blocks(B * H, 6, [=] {
+        fast_backward_scans<float, float>(T, C, H, r, k, v, w, gy, wk, wk + n, wk + 2 * n, wk + 3 * n, wk + 4 * n);
+    });
+    run_blocks(B * H, 1, [=] {
+        fast_backward_combine<float, float>(T, C, H, r, k, v, w, u, gy, wk, wk + n, wk + 2 * n,
+                                            wk + 3 * n, wk + 4 * n, gr, gk, gv, gw, gu);
+    });
 }
 """,
 }
@@ -384,3 +416,30 @@ def test_cuda_kernel_bf16_inputs(variant):
     for name, a, b, x in zip("rkvwu", g, g_ref, inputs):
         assert a.dtype == x.dtype
         assert_close(a.cpu(), b, 1e-2, f"grad {name}")
+
+
+# ------------------------------------------------------------- concurrent builds
+@pytest.mark.slow
+@cpu_kernel
+def test_two_processes_build_the_same_kernel_into_a_fresh_cache(tmp_path):
+    """torchrun ranks (or two pytest runs) building at once: one compiles, the other waits
+    on the build folder's lock, both end with a working kernel."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = (
+        "import torch; from rwkv_clip.ops import wkv6_bidirectional, wkv6_bidirectional_reference\n"
+        "x = [torch.randn(1, 5, 8) for _ in range(4)]; u = torch.randn(1, 8)\n"
+        "y = wkv6_bidirectional(*x, u, backend='cpu')\n"
+        "assert torch.allclose(y, wkv6_bidirectional_reference(*x, u), atol=1e-5)\n"
+        "print('OK')\n")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, RWKV_CLIP_KERNEL_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(tmp_path),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "OK" in out, out[-3000:]

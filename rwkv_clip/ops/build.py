@@ -250,6 +250,8 @@ def get_cuda_kernel(N: int, T: int, variant: str | None = None, verbose: bool = 
         src = source_dir()
         cu_file = "wkv6_cuda.cu" if variant == "faithful" else "wkv6_cuda_fast.cu"
         defines = [f"-DWKV_N={N}", f"-DWKV_TMAX={t_max}"]
+        if variant == "fast":
+            defines.append("-DWKV_VARIANT_FAST")
         mod = _load(cuda_kernel_name(N, t_max, variant), [src / "wkv6_op.cpp", src / cu_file],
                     verbose, extra_cflags=["-O3"] + defines,
                     extra_cuda_cflags=["-O3", "-Xptxas", "-O3", "--use_fast_math",

@@ -40,9 +40,8 @@ class _WKV6CPU(torch.autograd.Function):
 
 def _cuda_dtypes(r, k, v, w):
     """Kernel instantiations: r/k/v share one dtype F; w is float32 or F."""
-    F = r.dtype if r.dtype in _KERNEL_DTYPES else torch.float32
-    if k.dtype != F or v.dtype != F:
-        F = torch.float32 if (k.dtype != v.dtype or k.dtype != r.dtype) else F
+    same = r.dtype == k.dtype == v.dtype
+    F = r.dtype if same and r.dtype in _KERNEL_DTYPES else torch.float32
     FW = w.dtype if w.dtype in (torch.float32, F) else torch.float32
     return F, FW
 
@@ -50,16 +49,15 @@ def _cuda_dtypes(r, k, v, w):
 class _WKV6CUDA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, k, v, w, u, variant):
-        B, T, C = r.shape
-        H, N = u.shape
+        T = r.shape[1]
+        N = u.shape[1]
         mod = build.get_cuda_kernel(N, T, variant)
         F, FW = _cuda_dtypes(r, k, v, w)
         r_, k_, v_ = (x.to(F).contiguous() for x in (r, k, v))
         w_ = w.to(FW).contiguous()
         u_ = u.float().contiguous()
-        y = torch.empty((B, T, C), device=r.device, dtype=torch.float32)
         with torch.cuda.device(r.device):
-            mod.forward(B, T, C, H, r_, k_, v_, w_, u_, y)
+            y = mod.forward(r_, k_, v_, w_, u_)
         ctx.save_for_backward(r_, k_, v_, w_, u_)
         ctx.dtypes = tuple(x.dtype for x in (r, k, v, w, u))
         ctx.variant = variant
@@ -68,17 +66,9 @@ class _WKV6CUDA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         r, k, v, w, u = ctx.saved_tensors
-        B, T, C = r.shape
-        H, N = u.shape
-        mod = build.get_cuda_kernel(N, T, ctx.variant)
-        gy = gy.float().contiguous()
-        f32 = dict(device=r.device, dtype=torch.float32)
-        gr, gk, gv, gw = (torch.empty((B, T, C), **f32) for _ in range(4))
-        gu = torch.empty((B, C), **f32)
+        mod = build.get_cuda_kernel(u.shape[1], r.shape[1], ctx.variant)
         with torch.cuda.device(r.device):
-            mod.backward(B, T, C, H, r, k, v, w, u, gy, gr, gk, gv, gw, gu)
-        gu = gu.sum(0).view(H, N)
-        grads = (gr, gk, gv, gw, gu)
+            grads = mod.backward(r, k, v, w, u, gy.float().contiguous())
         return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes)) + (None,)
 
 
