@@ -1,0 +1,133 @@
+"""train.py's command line: the original's flags, config resolution, bad flags and data."""
+import subprocess
+import sys
+
+import pytest
+
+from rwkv_clip.train.args import parse_args, str2bool
+from train_util import REPO, TINY_CONFIG
+
+# shell/train_RWKV_CLIP_B32_YFCC15M.sh, its train.py arguments with the values filled in
+ORIGINAL_B32_SCRIPT = [
+    "--drop-path-rate", "0.3", "--image-num-heads", "8", "--input-size", "224",
+    "--dropout", "0.0", "--precision", "bf16", "--image-depth", "12",
+    "--image-embed-dims", "640", "--image-patch-size", "32", "--image-hidden-rate", "5",
+    "--ctx-len", "77", "--vocab-size", "49408", "--head-size", "64",
+    "--head-size-divisor", "8", "--n-embd", "640", "--n-layer", "6",
+    "--text-initialization", "True", "--batch-size", "512", "--epochs", "32",
+    "--lr", "0.001", "--optimizer", "adamw", "--output", "OUT",
+    "--train-data", "/data/YFCC15M", "--train-num-samples", "15061515",
+    "--weight-decay", "0.2",
+]
+
+
+def test_original_launch_script_flags_mean_the_b32_model():
+    args = parse_args(ORIGINAL_B32_SCRIPT)
+    import json
+    b32 = json.loads((REPO / "model_config" / "RWKV_CLIP_B32.json").read_text())
+    for key in ("input_size", "image_depth", "image_embed_dims", "image_patch_size",
+                "image_hidden_rate", "image_num_heads", "drop_path_rate", "ctx_len",
+                "vocab_size", "head_size", "head_size_divisor", "n_layer", "n_embd",
+                "dim_att", "dim_ffn", "image_output_cls_token", "image_with_cls_token"):
+        assert getattr(args, key) == b32[key], key
+    assert args.model_config["n_embd"] == 640
+    assert (args.batch_size, args.epochs, args.lr, args.weight_decay) == (512, 32, 1e-3, 0.2)
+    assert (args.beta1, args.beta2, args.optimizer, args.lr_scheduler) == (0.9, 0.98, "adamw",
+                                                                          "cosine")
+    assert args.precision == "bf16" and args.open_checkpoint is False
+    assert args.data_format == "rec" and args.train_num_samples == 15061515
+    assert args.local_loss is False and args.gather_with_grad is False
+
+
+def test_no_arguments_means_small_config_on_builtin_data():
+    args = parse_args([])
+    assert args.data_format == "builtin" and args.train_data is None
+    assert args.config_source.endswith("RWKV_CLIP_small.json")
+    assert (args.n_embd, args.input_size, args.precision) == (128, 32, "fp32")
+
+
+def test_config_then_flags_override():
+    args = parse_args(["--config", TINY_CONFIG, "--n-layer", "3", "--precision", "bf16",
+                       "--open-checkpoint", "1", "--dropout", "0.1"])
+    assert args.n_layer == 3 and args.n_embd == 64 and args.precision == "bf16"
+    assert args.with_cp is True and args.model_config["with_cp"] is True
+    assert args.dropout == 0.1
+    # a new width re-derives dim_att / dim_ffn unless they are given
+    args = parse_args(["--config", TINY_CONFIG, "--n-embd", "128", "--image-embed-dims", "128"])
+    assert args.dim_att == 128 and args.dim_ffn == int(128 * 3.5 // 32 * 32)
+
+
+@pytest.mark.parametrize("text,value", [("True", True), ("true", True), ("1", True),
+                                        ("False", False), ("0", False), ("no", False)])
+def test_booleans(text, value):
+    assert str2bool(text) is value
+    args = parse_args(["--config", TINY_CONFIG, "--local-loss", text,
+                       "--gather-with-grad", text, "--image-with-cls-token", text])
+    assert args.local_loss is value and args.gather_with_grad is value
+    assert args.image_with_cls_token is value
+
+
+def test_bare_boolean_flag_means_true():
+    args = parse_args(["--config", TINY_CONFIG, "--local-loss", "--lock-text"])
+    assert args.local_loss is True and args.lock_text is True
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--precision", "fp8"], "--precision"),
+    (["--local-loss", "maybe"], "boolean"),
+    (["--gradient-acc", "0"], "--gradient-acc must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--horovod"], "horovod is not supported"),
+    (["--data-format", "rec"], "needs --train-data"),
+    (["--n-embd", "128"], "must equal n_embd"),
+    (["--config", "no_such_config.json"], "not found"),
+    (["--lock-image", "--lock-text"], "unlock one tower"),
+    (["--resume", "latest", "--pretrained", "x.pt"], "exclude each other"),
+    (["--warmup", "1.5"], "--warmup"),
+    (["--image-output-cls-token", "True"], "image_with_cls_token"),
+])
+def test_bad_flags_exit_with_a_clear_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_explains_every_flag():
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--gradient-acc", "--open-checkpoint", "--resume", "--accum-mode",
+                 "--zero-shot-every", "--lock-image", "--data-format", "--save-every-steps"):
+        assert flag in out.stdout
+    # every option line has a help text (argparse prints it after the metavar)
+    from rwkv_clip.train.args import build_parser
+    assert all(a.help for a in build_parser()._actions)
+
+
+def _run_train(argv, tmp_path):
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.slow
+def test_missing_data_gives_a_clear_error(tmp_path):
+    from train_util import tiny_argv
+    out = _run_train(tiny_argv(tmp_path / "out", str(tmp_path / "nowhere")), tmp_path)
+    assert out.returncode == 1
+    assert "train.py: error: DataError" in out.stderr and "nowhere" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_corrupt_data_gives_a_clear_error(tmp_path):
+    from train_util import make_tiny_rec, tiny_argv
+    prefix = make_tiny_rec(tmp_path, n=16)
+    rec = tmp_path / "tiny.rec"
+    data = bytearray(rec.read_bytes())
+    rec.write_bytes(bytes(data[: len(data) // 2]))  # truncated file
+    out = _run_train(tiny_argv(tmp_path / "out", prefix), tmp_path)
+    assert out.returncode == 1
+    assert "DataError" in out.stderr and "tiny.rec" in out.stderr
+    assert "Traceback" not in out.stderr

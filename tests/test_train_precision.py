@@ -1,0 +1,91 @@
+"""Every precision runs a step on CPU; activation checkpointing leaves gradients unchanged."""
+import copy
+import math
+
+import pytest
+import torch
+
+from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
+from rwkv_clip.train.accumulation import caption_generator, make_micro_batches, train_step
+from rwkv_clip.train.loop import autocast_factory, build_optimizer, make_scaler
+from rwkv_clip.train.args import parse_args
+from train_util import TINY_CONFIG
+
+
+def _model(**overrides):
+    args = load_model_configs(TINY_CONFIG)
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    torch.manual_seed(0)
+    return create_RWKV_Model(args)
+
+
+def _micro_batches(n=6, k=1):
+    g = torch.Generator().manual_seed(3)
+    images = torch.randn(n, 3, 16, 16, generator=g)
+    tokens = torch.randint(1, 3000, (n, 231), generator=g)
+    tokens[:, torch.arange(231) % 77 > 10] = 0  # short captions, zero padded
+    m = n // k
+    return make_micro_batches(list(images.split(m)), list(tokens.split(m)),
+                              caption_generator(0, 0, 0, 0), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+def test_each_precision_takes_a_step_on_cpu(precision):
+    device = torch.device("cpu")
+    base = _model()
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = make_scaler(precision, device)
+    assert (scaler is not None) == (precision == "fp16")
+    if scaler is not None:
+        assert scaler.get_scale() == 128.0
+        assert scaler.get_growth_interval() == 200
+    autocast = autocast_factory(precision, device)
+    mbs = _micro_batches(k=2)
+    result = train_step(model, mbs, ClipLoss(), opt, scaler=scaler, autocast=autocast)
+    assert math.isfinite(result.loss) and result.loss > 0
+    moved = max((a.float() - b.float()).abs().max().item()
+                for a, b in zip(model.state_dict().values(), base.state_dict().values()))
+    assert moved > 0, "the optimizer step changed nothing"
+
+
+def test_autocast_dtype_is_what_the_flag_says():
+    device = torch.device("cpu")
+    x = torch.randn(4, 4)
+    for precision, dtype in (("fp32", torch.float32), ("tf32", torch.float32),
+                             ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        with autocast_factory(precision, device)():
+            assert (x @ x).dtype == dtype, precision
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    base = _model(dropout=0.0, drop_path_rate=0.0)
+    grads = []
+    for cp in (False, True):
+        model = copy.deepcopy(base)
+        model.set_grad_checkpointing(cp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        train_step(model, _micro_batches(k=2), ClipLoss(), opt, clip_grad_norm=None)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name in grads[0]:
+        a, b = grads[0][name].double(), grads[1][name].double()
+        assert ((a - b).norm() / b.norm().clamp_min(1e-30)).item() < 1e-6, name
+
+
+def test_weight_decay_exclusion_groups(tmp_path):
+    model = _model()
+    args = parse_args(["--config", TINY_CONFIG, "--exclude-decay", "True",
+                       "--weight-decay", "0.3", "--output", str(tmp_path)])
+    opt = build_optimizer(model, args)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.3 and no_decay["weight_decay"] == 0.0
+    ids = {id(p) for p in no_decay["params"]}
+    assert id(model.logit_scale) in ids
+    names = {n for n, p in model.named_parameters() if id(p) in ids}
+    assert any(".ln" in n for n in names) and any(n.endswith("bias") for n in names)
+    assert all(p.ndim >= 2 for p in decay["params"])
+    args = parse_args(["--config", TINY_CONFIG, "--output", str(tmp_path)])
+    assert len(build_optimizer(model, args).param_groups) == 1  # the original: decay all
