@@ -254,6 +254,10 @@ def test_evaluate_imagefolder_restores_train_mode(data):
                              classnames=["red", "green", "blue"], templates=["{}"])
     assert model.training is True
     assert set(m) >= {"acc1", "acc5", "mean_per_class_recall"}
+    wrapped = torch.nn.DataParallel(model)  # has .module like DDP; unwrapped by the evaluator
+    m2 = evaluate_imagefolder(wrapped, data["folder"], "cpu", batch_size=3, single_process=True,
+                              classnames=["red", "green", "blue"], templates=["{}"])
+    assert m2 == pytest.approx(m) and model.training is True
 
 
 @pytest.mark.slow

@@ -196,7 +196,9 @@ def evaluate_retrieval(model, rset: RetrievalSet, transform, device: torch.devic
                        info: DistInfo | None = None) -> dict:
     """Recall@k both ways plus ``num_images``/``num_texts``; same on every rank."""
     device = torch.device(device)
+    from .zeroshot import unwrap_model
     info = info or current()
+    model = unwrap_model(model)
     was_training = model.training
     model.eval()
     try:

@@ -62,6 +62,7 @@ def evaluate_classification(model, eval_set: ClassificationSet, device: torch.de
     ``num_samples``. Runs sharded when a process group is up; every rank returns the
     same result."""
     info = info or current()
+    model = unwrap_model(model)
     was_training = model.training
     model.eval()
     try:
@@ -77,9 +78,18 @@ def evaluate_classification(model, eval_set: ClassificationSet, device: torch.de
     return metrics
 
 
+def unwrap_model(model):
+    """The CLIP module inside DDP (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None or inner is model:
+            return model
+        model = inner
+
+
 def model_input_size(model) -> int:
     """The image size the model was built for (patch grid x patch size)."""
-    tower = model.image_model
+    tower = unwrap_model(model).image_model
     return int(tower.patch_resolution[0] * tower.patch_embed.projection.kernel_size[0])
 
 
@@ -87,15 +97,22 @@ def evaluate_imagefolder(model, folder: str | os.PathLike, device: torch.device 
                          batch_size: int = 64, input_size: int | None = None,
                          templates: Sequence[str] | None = None,
                          classnames: Sequence[str] | None = None, workers: int = 0,
-                         precision: str = "fp32", name: str = "imagefolder") -> dict:
+                         precision: str = "fp32", name: str = "imagefolder",
+                         single_process: bool = False) -> dict:
     """Zero-shot metrics on an image folder (one sub-folder per class), e.g. the built-in
     held-out split during training. Class names and templates default to the folder's
     ``classnames.json``/``templates.json``, else folder names and CLIP's 80 templates.
-    ``input_size`` defaults to the model's image size."""
+    ``input_size`` defaults to the model's image size. DDP / torch.compile wrappers are
+    unwrapped; train/eval mode is restored afterwards.
+
+    With a process group up, call it on every rank (each encodes a shard, all get the
+    same metrics), or pass ``single_process=True`` to evaluate everything on this rank
+    alone (e.g. only on rank 0)."""
     from ..transform import image_transform
 
     if input_size is None:
         input_size = model_input_size(model)
     eval_set = image_folder_set(folder, image_transform(input_size, is_train=False), name=name,
                                 classnames=classnames, templates=templates)
-    return evaluate_classification(model, eval_set, device, batch_size, workers, precision)
+    return evaluate_classification(model, eval_set, device, batch_size, workers, precision,
+                                   info=DistInfo() if single_process else None)
