@@ -1,0 +1,160 @@
+"""Memory planner: the arithmetic against the real model, and the estimate against a
+measured step (slow)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
+from rwkv_clip.memory import (activation_segments, estimate, make_step, measure,
+                              parameter_table, synthetic_batch, training_peak)
+
+
+@pytest.fixture(scope="module")
+def tiny(repo_root):
+    path = repo_root / "model_config" / "RWKV_CLIP_tiny.json"
+    args = load_model_configs(str(path))
+    torch.manual_seed(0)
+    return path, args, create_RWKV_Model(args)
+
+
+def _model_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_parameters_match_model_exactly(tiny):
+    _, args, model = tiny
+    table = parameter_table(args)
+    assert table.count() == sum(p.numel() for p in model.parameters())
+    assert table.nbytes() == _model_bytes(model)  # bf16 time_decay/time_faaaa included
+    assert table.largest_bytes() == max(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_published_parameter_counts(repo_root):
+    b32 = load_model_configs(str(repo_root / "model_config" / "RWKV_CLIP_B32.json"))
+    b16 = load_model_configs(str(repo_root / "model_config" / "RWKV_CLIP_B16.json"))
+    assert parameter_table(b32).count() == 149_561_601
+    assert parameter_table(b16).count() == 148_181_121
+
+
+def test_gradient_and_optimizer_bytes_match_a_real_step(tiny):
+    _, args, model = tiny
+    step = make_step(model, "fp32", "cpu")
+    images, tokens = synthetic_batch(args, 2, "cpu")
+    step(images, tokens)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    moments = sum(s[k].numel() * s[k].element_size()
+                  for s in step.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    tr = training_peak(args, 8, "bf16")
+    assert tr["gradient_bytes"] == grads
+    assert tr["optimizer_bytes"] == moments
+    assert tr["parameter_bytes"] == _model_bytes(model)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_saved_activations_match_autograd(tiny, precision):
+    """The op-by-op count equals the bytes autograd really saves in a forward (CPU, native
+    WKV kernel; bf16 = CPU autocast rules, autocast weight copies included), tensors
+    sharing storage counted once, parameters and inputs excluded."""
+    _, args, model = tiny
+    batch = 3
+    images, tokens = synthetic_batch(args, batch, "cpu")
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip |= {images.untyped_storage().data_ptr(), tokens.untyped_storage().data_ptr()}
+    storages = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    amp = None if precision == "fp32" else torch.bfloat16
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        img, txt, scale = model(images, tokens)
+        loss = ClipLoss()(F.normalize(img, dim=-1), F.normalize(txt, dim=-1), scale)
+    real = sum(storages.values())
+    del loss
+    plan = activation_segments(args, batch, None if amp is None else "bf16", "cpu")
+    counted = sum(s.saved + s.casts for s in plan.segments)
+    # equal up to a few scalars and per-row statistics the walker lumps together
+    tolerance = 0.01
+    print(f"saved by autograd {real}, counted {counted}")
+    assert abs(real - counted) / real < tolerance, (real, counted)
+
+
+def test_checkpointing_reduces_activations(tiny):
+    _, args, _ = tiny
+    off = training_peak(args, 256, "bf16", checkpointing=False)
+    on = training_peak(args, 256, "bf16", checkpointing=True)
+    assert on["training_peak_bytes"] < off["training_peak_bytes"]
+    assert on["activation_bytes"] < off["activation_bytes"] / 2
+
+
+def test_gradient_accumulation_divides_activations(tiny):
+    _, args, _ = tiny
+    full = activation_segments(args, 64, "bf16", "cuda")
+    quarter = activation_segments(args, 16, "bf16", "cuda")
+    for a, b in zip(full.segments, quarter.segments):
+        if a.name.startswith(("image.block", "text.block")):
+            # per-sample tensors: 4x the samples, 4x the bytes (up to the few (C,)-sized
+            # tensors like the image channel mix's 1 - spatial_mix)
+            assert abs(a.saved - 4 * b.saved) < 1e-3 * a.saved
+    one = training_peak(args, 64, "bf16", gradient_acc=1)
+    four = training_peak(args, 64, "bf16", gradient_acc=4)
+    assert four["micro_batch"] == 16
+    assert four["activation_bytes"] < one["activation_bytes"] / 3.5
+
+
+def test_gpus_grow_logits_and_add_ddp_buckets(tiny):
+    _, args, _ = tiny
+    one = training_peak(args, 128, "bf16", gpus=1)
+    eight = training_peak(args, 128, "bf16", gpus=8)
+    assert eight["ddp_bucket_bytes"] == eight["gradient_bytes"]
+    loss1 = activation_segments(args, 128, "bf16", "cuda", world_size=1).segments[-1].saved
+    loss8 = activation_segments(args, 128, "bf16", "cuda", world_size=8).segments[-1].saved
+    assert loss8 > 30 * loss1  # (8B)^2 logits instead of B^2
+    assert eight["training_peak_bytes"] > one["training_peak_bytes"]
+
+
+def test_bf16_smaller_than_fp32_and_cards_monotonic(repo_root):
+    args = load_model_configs(str(repo_root / "model_config" / "RWKV_CLIP_B32.json"))
+    fp32 = training_peak(args, 256, "fp32")
+    bf16 = training_peak(args, 256, "bf16")
+    assert bf16["activation_bytes"] < fp32["activation_bytes"]
+    est = estimate(args, 256, "bf16", config_name="B32", inference_batch=1)
+    sizes = list(est.max_batch.values())
+    assert sizes == sorted(sizes[:3]) + sizes[3:] and sizes[0] > 0
+    assert est.max_batch["H200 141GB"] > est.max_batch["A100 80GB"] > est.max_batch["T4 16GB"]
+    assert est.inference_peak_bytes < est.training_peak_bytes
+
+
+def test_cli_json(repo_root):
+    out = subprocess.run([sys.executable, "-m", "rwkv_clip.memory", "--config",
+                          str(repo_root / "model_config" / "RWKV_CLIP_tiny.json"),
+                          "--batch-size", "32", "--precision", "bf16", "--checkpointing",
+                          "--gradient-acc", "2", "--gpus", "2", "--json"],
+                         capture_output=True, text=True, check=True, cwd=repo_root)
+    est = json.loads(out.stdout)["estimate"]
+    assert est["micro_batch"] == 16 and est["checkpointing"] and est["gpus"] == 2
+    for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes",
+                "training_peak_bytes", "inference_peak_bytes"):
+        assert est[key] > 0
+    assert set(est["max_batch"]) == {"T4 16GB", "L4 24GB", "A100 40GB", "A100 80GB",
+                                     "H100 80GB", "H200 141GB"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_estimate_within_15_percent_of_measured_cpu(tiny, checkpointing):
+    path, args, _ = tiny
+    batch = 96
+    m = measure(str(path), batch, "fp32", checkpointing, "cpu", timeout=600)
+    est = training_peak(args, batch, "fp32", checkpointing, device="cpu")["training_peak_bytes"]
+    assert abs(est / m["measured_peak_bytes"] - 1) < 0.15, (est, m)
