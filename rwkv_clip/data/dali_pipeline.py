@@ -142,7 +142,7 @@ def _diagnose_rec(rec_prefix: str, entries, input_size: int):
     def diagnose(exc):
         rec_path, _ = rec_paths(rec_prefix)
         try:
-            r = RecordIOReader(rec_prefix)
+            r = RecordIOReader(rec_prefix, check_index=False)
             for key, off in entries:
                 payload = r.read_at(off, key)
                 _, _, image = unpack(payload, rec_path, key)

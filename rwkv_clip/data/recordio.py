@@ -388,24 +388,30 @@ def _check_one(f, rec_size: int, key, off: int, check_image: bool) -> tuple[str 
     if check_image:
         if cflag == 0:
             f.seek(off + 8 + img_off)
-            soi = f.read(2)
-            f.seek(off + 8 + length - 2)
-            eoi = f.read(2)
+            sig = f.read(12)
+            tail_len = min(1024, length - img_off)
+            f.seek(off + 8 + length - tail_len)
+            tail = f.read(tail_len)
         else:
-            soi, eoi = payload[img_off:img_off + 2], payload[-2:]
-        if soi != b"\xff\xd8":
-            return "image is not a JPEG (no SOI marker)", flag
-        if eoi != b"\xff\xd9":
-            return "JPEG image is truncated (no EOI marker)", flag
+            sig, tail = payload[img_off:img_off + 12], payload[-1024:]
+        if sig[:2] == b"\xff\xd8":
+            if b"\xff\xd9" not in tail:
+                return "JPEG image is truncated (no end-of-image marker)", flag
+        elif not sig.startswith(_IMAGE_SIGNATURES) and not (sig[:4] == b"RIFF"
+                                                             and sig[8:12] == b"WEBP"):
+            return "image bytes are not a JPEG/PNG/BMP/GIF/TIFF/WebP image", flag
     return None, flag
+
+
+_IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"BM", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*")
 
 
 def check_rec(prefix: str, level: str = "full", check_image: bool = True,
               max_quick: int = 1024) -> RecCheck:
     """Validate a ``.rec``/``.idx`` pair without decoding images.
 
-    ``level='full'`` inspects every record (one small read per record: magic, length
-    inside the file, label count 231/154, JPEG SOI/EOI markers); ``'quick'`` inspects
+    ``level='full'`` inspects every record (two small reads per record: magic, length
+    inside the file, label count 231/154, image signature, JPEG end marker present); ``'quick'`` inspects
     the first, last and up to ``max_quick`` evenly spaced records. File-level problems
     (missing/empty files, malformed index, offsets past the end) always raise
     :class:`DataError`; per-record problems are returned in ``bad`` so the caller can
@@ -417,7 +423,7 @@ def check_rec(prefix: str, level: str = "full", check_image: bool = True,
     rec_size = os.path.getsize(rec_path)
     if rec_size == 0:
         raise DataError("record file is empty", rec_path)
-    index = read_index(idx_path, rec_size)
+    index = read_index(idx_path)  # offsets past the end are reported per record below
     n = len(index)
     if level == "full":
         sel = range(n)

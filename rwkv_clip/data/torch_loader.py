@@ -51,7 +51,7 @@ class RecSource:
     """Random access to (image bytes, tokens) of a ``.rec`` (optionally a subset of keys)."""
 
     def __init__(self, prefix: str, entries=None):
-        self.reader = RecordIOReader(prefix)
+        self.reader = RecordIOReader(prefix, check_index=entries is None)
         self.entries = list(entries) if entries is not None else list(self.reader.index)
         if not self.entries:
             raise DataError("no records to read", self.reader.rec_path)
@@ -204,7 +204,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
             img = eval_transform(im, self.size)
         return img, torch.from_numpy(tokens)
 
-    def __getitem__(self, i):
+    def __getitem__(self, item):
+        # the sampler sends (index, epoch) so persistent workers see the current epoch
+        i, self.epoch = item if isinstance(item, tuple) else (item, self.epoch)
         skipped = 0
         n = len(self.source)
         j = i
@@ -264,7 +266,7 @@ class ShardSampler(torch.utils.data.Sampler):
         return out
 
     def __iter__(self):
-        return iter(self.indices())
+        return iter([(i, self.epoch) for i in self.indices()])
 
     def __len__(self):
         return self.num_batches * self.bs if self.train else len(self.indices())
@@ -284,10 +286,14 @@ class TorchLoader:
         self.skipped = 0
         self.skipped_epoch = 0
         self.log = log
+        # Workers come from a forkserver, not fork(): forking a process that already runs
+        # DALI / OpenMP threads can deadlock the child. They persist across epochs (the
+        # epoch travels with each index), so the start-up cost is paid once.
+        mp = dict(multiprocessing_context="forkserver", persistent_workers=True,
+                  prefetch_factor=4) if self.workers else {}
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=batch_size, sampler=self.sampler,
-            num_workers=self.workers, collate_fn=_collate, drop_last=False,
-            persistent_workers=False, prefetch_factor=4 if self.workers else None)
+            num_workers=self.workers, collate_fn=_collate, drop_last=False, **mp)
 
     def __len__(self):
         return self.sampler.num_batches

@@ -86,7 +86,9 @@ def index_shards(paths: list[str]) -> WdsIndex:
             if os.path.getsize(path) == 0:
                 raise tarfile.ReadError("empty file")
             with tarfile.open(path, "r:") as tf:
+                end = 0
                 for m in tf:
+                    end = m.offset_data + -(-m.size // 512) * 512
                     if not m.isfile():
                         continue
                     d, base = os.path.split(m.name)
@@ -99,6 +101,13 @@ def index_shards(paths: list[str]) -> WdsIndex:
                         order.append(key)
                     groups[key][ext.lower()] = (m.offset_data, m.size)
             size = os.path.getsize(path)
+            # tarfile stops quietly when a cut lands on a header block: require the
+            # end-of-archive marker (two zero blocks) after the last member
+            with open(path, "rb") as f:
+                f.seek(end)
+                eoa = f.read(1024)
+            if len(eoa) < 1024 or eoa.strip(b"\0"):
+                raise tarfile.ReadError("no end-of-archive marker after the last member")
         except (tarfile.TarError, OSError, EOFError) as e:
             out.bad.append((path, None, f"unreadable or truncated shard ({e})"))
             continue

@@ -1,0 +1,279 @@
+"""Bad input gives a DataError naming the file and the record (never a hang); with
+skip_corrupt the loaders skip and count bad records."""
+
+import io
+import os
+import shutil
+import struct
+import tarfile
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+
+from rwkv_clip.data import DataError, RecordIOReader, RecordIOWriter, build_train_loader, check_rec
+from rwkv_clip.data.tokens import encode_captions_batch, labels_for_rec
+from rwkv_clip.data.wds import check_wds
+from rwkv_clip.data.writers import write_rec, write_wds
+
+from test_data_common import check_batch_pairs, make_samples, token_map
+
+N = 12
+LOADERS = ["dali", "torch"]
+
+
+def _dali_or_skip(kind):
+    if kind == "dali":
+        pytest.importorskip("nvidia.dali")
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    d = tmp_path_factory.mktemp("good")
+    samples = make_samples(N)
+    write_rec(samples, str(d / "g"))
+    write_wds(samples, str(d / "w" / "s"), shard_size=5)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tmap():
+    return token_map(N)
+
+
+def copy_rec(good, tmp_path, name="b"):
+    shutil.copy(good / "g.rec", tmp_path / f"{name}.rec")
+    shutil.copy(good / "g.idx", tmp_path / f"{name}.idx")
+    return str(tmp_path / name)
+
+
+def offsets(prefix):
+    return [int(line.split("\t")[1]) for line in open(prefix + ".idx").read().splitlines()]
+
+
+def args(path, kind, fmt="rec", **kw):
+    a = dict(train_data=path, data_format=fmt, batch_size=4, workers=1, input_size=16, seed=0,
+             skip_corrupt=False, device="cpu", rank=0, world_size=1, loader=kind,
+             check_level="full")
+    a.update(kw)
+    return NS(**a)
+
+
+def expect_error(a, match, path, record):
+    with pytest.raises(DataError, match=match) as e:
+        L = build_train_loader(a, log=None)
+        for _ in L:
+            pass
+    msg = str(e.value)
+    assert os.path.basename(path) in msg, msg
+    if record is not None:
+        assert f"record: {record}" in msg, msg
+    return e.value
+
+
+def run_skipping(a, tmap):
+    L = build_train_loader(a, log=None)
+    ids = []
+    for images, tokens in L:
+        ids += check_batch_pairs(images, tokens, tmap)
+    return L, set(ids)
+
+
+# ----------------------------------------------------------------------------- .rec problems
+
+def make_truncated(good, tmp_path):
+    p = copy_rec(good, tmp_path)
+    last = offsets(p)[-1]
+    with open(p + ".rec", "r+b") as f:
+        f.truncate(last + 100)
+    return p, N - 1
+
+
+def make_bad_magic(good, tmp_path):
+    p = copy_rec(good, tmp_path)
+    with open(p + ".rec", "r+b") as f:
+        f.seek(offsets(p)[5])
+        f.write(b"\0\0\0\0")
+    return p, 5
+
+
+def make_idx_past_end(good, tmp_path):
+    p = copy_rec(good, tmp_path)
+    size = os.path.getsize(p + ".rec")
+    with open(p + ".idx", "a") as f:
+        f.write(f"{N}\t{size + 400}\n")
+    return p, N
+
+
+def make_idx_not_a_record(good, tmp_path):
+    p = copy_rec(good, tmp_path)
+    lines = open(p + ".idx").read().splitlines()
+    off = offsets(p)[3] + 64  # aligned, inside record 3's labels
+    lines[3] = f"3\t{off}"
+    open(p + ".idx", "w").write("\n".join(lines) + "\n")
+    return p, 3
+
+
+def make_bad_label_count(good, tmp_path):
+    p = str(tmp_path / "b")
+    src = RecordIOReader(str(good / "g"))
+    with RecordIOWriter(p + ".rec", p + ".idx") as w:
+        for i in range(N):
+            _, _, lab, img = src.read_item(i)
+            w.write_image_record(i, lab[:100] if i == 7 else lab, img)
+    return p, 7
+
+
+def make_truncated_jpeg(good, tmp_path):
+    p = str(tmp_path / "b")
+    src = RecordIOReader(str(good / "g"))
+    with RecordIOWriter(p + ".rec", p + ".idx") as w:
+        for i in range(N):
+            _, _, lab, img = src.read_item(i)
+            w.write_image_record(i, lab, img[:len(img) // 2] if i == 2 else img)
+    return p, 2
+
+
+STRUCTURAL = {
+    "truncated rec": (make_truncated, "truncated record"),
+    "bad magic": (make_bad_magic, "not the start of a record"),
+    "idx past end": (make_idx_past_end, "past the end"),
+    "idx not a record": (make_idx_not_a_record, "not the start of a record"),
+    "label count": (make_bad_label_count, "100 labels"),
+    "truncated jpeg": (make_truncated_jpeg, "JPEG image is truncated"),
+}
+
+
+@pytest.mark.parametrize("case", list(STRUCTURAL))
+def test_check_rec_names_bad_record(good, tmp_path, case):
+    make, match = STRUCTURAL[case]
+    p, key = make(good, tmp_path)
+    chk = check_rec(p)
+    assert [k for k, _ in chk.bad] == [key]
+    assert match in chk.bad[0][1]
+
+
+@pytest.mark.parametrize("kind", LOADERS)
+@pytest.mark.parametrize("case", list(STRUCTURAL))
+def test_loader_raises_then_skips(good, tmp_path, tmap, kind, case):
+    _dali_or_skip(kind)
+    make, match = STRUCTURAL[case]
+    p, key = make(good, tmp_path)
+    expect_error(args(p, kind), match, p + ".rec", key)
+    L, ids = run_skipping(args(p, kind, skip_corrupt=True), tmap)
+    assert L.skipped == 1
+    want = set(range(N)) - {key}
+    assert ids == want
+
+
+@pytest.mark.parametrize("kind", LOADERS)
+def test_missing_files(good, tmp_path, kind):
+    _dali_or_skip(kind)
+    p = copy_rec(good, tmp_path)
+    os.remove(p + ".idx")
+    expect_error(args(p, kind), "index file not found", p + ".idx", None)
+    os.remove(p + ".rec")
+    expect_error(args(p, kind), "record file not found", p + ".rec", None)
+    open(p + ".rec", "wb").close()
+    expect_error(args(p, kind), "record file is empty", p + ".rec", None)
+
+
+@pytest.mark.parametrize("kind", LOADERS)
+def test_malformed_index(good, tmp_path, kind):
+    _dali_or_skip(kind)
+    p = copy_rec(good, tmp_path)
+    open(p + ".idx", "a").write("garbage line here\n")
+    expect_error(args(p, kind), "malformed index line", p + ".idx", None)
+
+
+def _undecodable(good, tmp_path):
+    """JPEG markers intact, entropy data garbage: passes check_rec, fails decoding."""
+    p = str(tmp_path / "u")
+    src = RecordIOReader(str(good / "g"))
+    with RecordIOWriter(p + ".rec", p + ".idx") as w:
+        for i in range(N):
+            _, _, lab, img = src.read_item(i)
+            if i == 4:
+                img = b"\xff\xd8\xff\xe0" + b"\x13" * 200 + b"\xff\xd9"
+            w.write_image_record(i, lab, img)
+    return p, 4
+
+
+@pytest.mark.parametrize("kind", LOADERS)
+def test_undecodable_image(good, tmp_path, tmap, kind):
+    _dali_or_skip(kind)
+    p, key = _undecodable(good, tmp_path)
+    assert not check_rec(p).bad
+    for workers in ([1] if kind == "dali" else [0, 2]):
+        expect_error(args(p, kind, workers=workers), "undecodable image", p + ".rec", key)
+    if kind == "torch":
+        L, ids = run_skipping(args(p, kind, skip_corrupt=True), tmap)
+        assert L.skipped >= 1 and key not in ids and len(ids) == N - 1
+
+
+# ----------------------------------------------------------------------------- wds problems
+
+def _wds_copy(good, tmp_path):
+    d = tmp_path / "w"
+    shutil.copytree(good / "w", d)
+    return d
+
+
+def test_wds_empty_shard(good, tmp_path, tmap):
+    d = _wds_copy(good, tmp_path)
+    with tarfile.open(d / "s-000009.tar", "w"):
+        pass
+    with pytest.raises(DataError, match="empty shard") as e:
+        check_wds(str(d))
+    assert "s-000009.tar" in str(e.value)
+    for kind in LOADERS:
+        if kind == "dali":
+            pytest.importorskip("nvidia.dali")
+        expect_error(args(str(d), kind, "wds"), "empty shard", "s-000009.tar", None)
+        L, ids = run_skipping(args(str(d), kind, "wds", skip_corrupt=True), tmap)
+        assert ids == set(range(N))
+
+
+def test_wds_missing_and_bad_components(good, tmp_path, tmap):
+    d = _wds_copy(good, tmp_path)
+    # rewrite shard 0 without the tok of sample 1 and with a short tok for sample 3
+    src = d / "s-000000.tar"
+    members = []
+    with tarfile.open(src) as tf:
+        for m in tf:
+            members.append((m.name, tf.extractfile(m).read()))
+    with tarfile.open(src, "w") as tf:
+        for name, data in members:
+            if name == "000000001.tok":
+                continue
+            if name == "000000003.tok":
+                data = data[:40]
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    with pytest.raises(DataError, match="no 'tok' component") as e:
+        check_wds(str(d))
+    assert "record: 000000001" in str(e.value) and "s-000000.tar" in str(e.value)
+    idx = check_wds(str(d), skip_corrupt=True)
+    assert [b[1] for b in idx.bad] == ["000000001", "000000003"]
+    assert "40 bytes" in idx.bad[1][2]
+    # DALI cannot drop single samples: explicit loader='dali' refuses, auto falls back
+    pytest.importorskip("nvidia.dali")
+    expect_error(args(str(d), "dali", "wds", skip_corrupt=True), "DALI cannot skip",
+                 "s-000000.tar", "000000001")
+    L, ids = run_skipping(args(str(d), "auto", "wds", skip_corrupt=True), tmap)
+    assert type(L).__name__ == "TorchLoader" and ids == set(range(N)) - {1, 3}
+    assert L.skipped == 2
+
+
+def test_wds_truncated_and_missing_shard(good, tmp_path):
+    d = _wds_copy(good, tmp_path)
+    p = d / "s-000001.tar"
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2 + 7])
+    with pytest.raises(DataError, match="s-000001.tar"):
+        check_wds(str(d))
+    with pytest.raises(DataError, match="shard not found"):
+        check_wds(str(d / "nope-{000000..000002}.tar"))
+    with pytest.raises(DataError, match="no .tar shards"):
+        check_wds(str(tmp_path))
