@@ -15,8 +15,9 @@ far + the working set of the segment being differentiated. Nothing is fitted to 
 measurement; ``--measure`` runs one real step and prints the measured peak beside it.
 
 Conventions: ``--batch-size`` is per GPU (the original's recipe: 512 per GPU x 8);
-with ``--gradient-acc K`` each micro-batch has batch/K samples and the gradients stay
-alive across micro-batches; ``--gpus N`` makes the ClipLoss logits (N*B) x (N*B) (no
+with ``--gradient-acc K`` each micro-batch has batch/K samples, the gradients stay
+alive across micro-batches and the loss still scores the whole batch (the training
+loop's exact accumulation caches every micro-batch's features); the loss is in fp32; ``--gpus N`` makes the ClipLoss logits (N*B) x (N*B) (no
 ``local_loss``) and adds DDP's gradient buckets (one more copy of the gradients).
 Steady state is assumed (AdamW moments already exist, gradients set to None between
 steps). The optimizer is AdamW: two moments per parameter in the parameter's dtype,
@@ -348,8 +349,11 @@ def _append(w: Walker, segs: list, seg: Segment) -> None:
 
 
 def activation_segments(args: Any, batch: int, amp: str | None, device: str,
-                        world_size: int = 1, local_loss: bool = False) -> Plan:
-    """Forward, segment by segment, for one micro-batch of ``batch`` samples."""
+                        world_size: int = 1, local_loss: bool = False,
+                        loss_batch: int | None = None) -> Plan:
+    """Forward, segment by segment, for one micro-batch of ``batch`` samples; the loss
+    scores ``loss_batch`` samples per rank (the whole accumulated batch: the training
+    loop's exact accumulation caches every micro-batch's features)."""
     w = Walker(amp, device)
     params = parameter_table(args)
     grads = lambda prefix: params.nbytes(prefix)  # noqa: E731
@@ -402,13 +406,13 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
     w.save(t, Sym(B * Tt, "fp32"))                        # F.normalize: norm saves t, result
     _append(w, segs, Segment("text.head", w.take_saved(), grads("text.ln_out"), 3 * t.n * 4,
                         inference_peak=3 * t.n * 4))
-    # ClipLoss over the gathered batch: logit matmul(s) + two log_softmax results (fp32)
-    glob = B * world_size
-    rows = B if (local_loss and world_size > 1) else glob
+    # ClipLoss over the gathered batch, in fp32 (the loop casts the features to float):
+    # logit matmul(s) + two log_softmax results
+    glob = (loss_batch or B) * world_size
+    rows = (loss_batch or B) if (local_loss and world_size > 1) else glob
     n_logits = rows * glob
     n_mm = 2 if (world_size == 1 or local_loss) else 1
-    ldt = amp or "fp32"
-    loss_saved = n_mm * n_logits * _SIZES[ldt] + 2 * n_logits * 4 + 4 * glob * C * 4
+    loss_saved = n_mm * n_logits * 4 + 2 * n_logits * 4 + 4 * glob * C * 4
     _append(w, segs, Segment("loss", loss_saved, grads("logit_scale"), 2 * n_logits * 4))
     return Plan(segs, w.weight_cast_bytes, B)
 
@@ -466,7 +470,7 @@ def training_peak(args: Any, batch: int, precision: str, checkpointing: bool = F
     opt_b = 2 * pbytes
     ddp_b = grad_b if gpus > 1 else 0
     micro = max(1, batch // max(1, gradient_acc))
-    plan = activation_segments(args, micro, amp, device, gpus, local_loss)
+    plan = activation_segments(args, micro, amp, device, gpus, local_loss, loss_batch=batch)
     inputs = _input_bytes(args, batch)
     persistent = pbytes + opt_b + ddp_b + inputs
     grads_alive = grad_b if gradient_acc > 1 else 0   # later micro-batches: grads exist
@@ -570,6 +574,11 @@ def synthetic_batch(args: Any, batch: int, device, seed: int = 0):
     return images, tokens
 
 
+def _null_context():
+    import contextlib
+    return contextlib.nullcontext()
+
+
 def autocast_context(precision: str, device_type: str):
     import contextlib
 
@@ -581,37 +590,28 @@ def autocast_context(precision: str, device_type: str):
 
 
 def make_step(model, precision: str, device_type: str, lr: float = 1e-4):
-    """A plain training step (forward both towers, L2-normalise, ClipLoss, backward,
-    clip grad norm 1.0, AdamW betas 0.9/0.98) on the given model; returns step(images,
-    tokens) -> loss. fp16 uses a GradScaler."""
+    """One training step exactly as the training loop runs it
+    (:func:`rwkv_clip.train.accumulation.train_step`: forward both towers under autocast,
+    L2-normalise, fp32 ClipLoss, backward, clip grad norm 1.0, AdamW betas 0.9/0.98 step,
+    logit-scale clamp) on one micro-batch; returns step(images, tokens) -> loss."""
+    import functools
+
     import torch
-    import torch.nn.functional as F
 
     from .loss import ClipLoss
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-6,
-                            weight_decay=0.2)
+    from .train.accumulation import MicroBatch, train_step
+    amp = _amp(precision)
+    autocast = (functools.partial(torch.autocast, device_type=device_type,
+                                  dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+                if amp else _null_context)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.2)
     loss_fn = ClipLoss()
-    scaler = torch.amp.GradScaler(device_type) if _amp(precision) == "fp16" else None
+    scaler = torch.amp.GradScaler(device_type, init_scale=128) if amp == "fp16" else None
 
     def step(images, tokens):
-        opt.zero_grad(set_to_none=True)
-        with autocast_context(precision, device_type):
-            img, txt, scale = model(images, tokens)
-            loss = loss_fn(F.normalize(img, dim=-1), F.normalize(txt, dim=-1), scale)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-        else:
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, 4.6052)
-        return loss.detach()
+        result = train_step(model, [MicroBatch(images, tokens)], loss_fn, opt, scaler=scaler,
+                            autocast=autocast, clip_grad_norm=1.0)
+        return torch.tensor(result.loss)
     step.optimizer = opt
     return step
 
