@@ -1,0 +1,118 @@
+import json
+import os
+import re
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rwkv_clip.data import RecordIOReader, build_train_loader, decode_tokens, ensure_builtin_dataset
+from rwkv_clip.data.builtin import COLORS, SHAPES, class_names
+from rwkv_clip.data.recordio import check_rec
+
+SMALL = dict(num_train=60, num_val=12, zeroshot_per_class=2)
+
+
+def _files(root):
+    out = {}
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    return ensure_builtin_dataset(root=str(tmp_path_factory.mktemp("bi")), seed=0, **SMALL)
+
+
+def test_same_seed_same_bytes_other_seed_differs(ds, tmp_path):
+    again = ensure_builtin_dataset(root=str(tmp_path / "a"), seed=0, **SMALL)
+    assert os.path.basename(again.root) == os.path.basename(ds.root)
+    a, b = _files(ds.root), _files(again.root)
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+    other = ensure_builtin_dataset(root=str(tmp_path / "b"), seed=1, **SMALL)
+    assert os.path.basename(other.root) != os.path.basename(ds.root)
+    assert (open(other.train_prefix + ".rec", "rb").read()
+            != open(ds.train_prefix + ".rec", "rb").read())
+
+
+def test_reused_not_regenerated(ds):
+    t = os.path.getmtime(ds.train_prefix + ".rec")
+    again = ensure_builtin_dataset(root=os.path.dirname(os.path.dirname(ds.root)), seed=0,
+                                   **SMALL)
+    assert again.root == ds.root and os.path.getmtime(ds.train_prefix + ".rec") == t
+    assert not [p for p in os.listdir(os.path.dirname(ds.root)) if ".tmp-" in p]
+
+
+def test_train_and_val_records(ds):
+    for prefix, n in ((ds.train_prefix, ds.num_train), (ds.val_prefix, ds.num_val)):
+        chk = check_rec(prefix)
+        assert chk.num_records == n and not chk.bad and chk.label_counts == {231}
+    r = RecordIOReader(ds.train_prefix)
+    pat = re.compile(r"^an? (%s) (%s)$" % ("|".join(COLORS), "|".join(SHAPES)))
+    styles = set()
+    for i in range(len(r)):
+        _, _, lab, img = r.read_item(i)
+        raw, syn, gen = decode_tokens(lab)
+        m = pat.match(raw)
+        assert m, raw
+        colour, shape = m.groups()
+        assert f"{colour} {shape}" in syn and syn != raw and gen not in (raw, syn)
+        im = Image.open(__import__("io").BytesIO(img))
+        assert im.size == (64, 64) and im.format == "JPEG"
+        # the named colour is really drawn: enough pixels close to the palette colour
+        px = np.asarray(im.convert("RGB"), dtype=np.float64).reshape(-1, 3)
+        near = np.linalg.norm(px - np.array(COLORS[colour]), axis=1) < 45
+        assert near.sum() >= 25, (raw, near.sum())
+        styles.add(syn.split(" background")[0].split(" on a ")[-1])
+    assert len(styles) > 3
+    va = open(ds.val_prefix + ".rec", "rb").read()
+    assert va not in open(ds.train_prefix + ".rec", "rb").read()
+
+
+def test_zeroshot_split(ds):
+    zs = ds.zeroshot_dir
+    names = json.load(open(os.path.join(zs, "classnames.json")))
+    templates = json.load(open(os.path.join(zs, "templates.json")))
+    assert names == class_names() == ds.classnames and len(names) == 30
+    folders = sorted(d for d in os.listdir(zs) if os.path.isdir(os.path.join(zs, d)))
+    assert [n.replace(" ", "_") for n in names] == folders   # ImageFolder order
+    assert templates and all("{}" in t for t in templates)
+    total = 0
+    for n, f in zip(names, folders):
+        files = sorted(os.listdir(os.path.join(zs, f)))
+        assert len(files) == 2
+        total += len(files)
+        colour = n.split()[0]
+        px = np.asarray(Image.open(os.path.join(zs, f, files[0])).convert("RGB"),
+                        dtype=np.float64).reshape(-1, 3)
+        assert (np.linalg.norm(px - np.array(COLORS[colour]), axis=1) < 45).sum() >= 25
+    assert total == ds.num_zeroshot == 60
+
+
+def test_builtin_train_prefix_through_loader_factory(ds):
+    a = NS(train_data=ds.train_prefix, data_format="rec", batch_size=16, workers=1,
+           input_size=32, seed=0, skip_corrupt=False, device="cpu", rank=0, world_size=1,
+           loader="torch")
+    L = build_train_loader(a, log=None)
+    images, tokens = next(iter(L))
+    assert images.shape == (16, 3, 32, 32) and tokens.shape == (16, 231)
+    assert len(L) == 4  # ceil(60 / 16)
+
+
+@pytest.mark.slow
+def test_default_size_generation_and_builtin_format(tmp_path):
+    import time
+    t = time.time()
+    L = build_train_loader(NS(train_data=str(tmp_path), data_format="builtin", batch_size=64,
+                              workers=1, input_size=32, seed=0, device="cpu", loader="auto"),
+                           log=None)
+    took = time.time() - t
+    ds = ensure_builtin_dataset(root=str(tmp_path))
+    assert ds.num_train == 4000 and len(L) == 63
+    assert took < 120, took
+    images, tokens = next(iter(L))
+    assert images.shape == (64, 3, 32, 32) and tokens.dtype.is_floating_point is False
