@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -256,8 +257,10 @@ def fit(args, info: DistInfo, log) -> dict[str, Any]:
         else:  # --epochs / --max-steps changed: the new schedule, fast-forwarded
             log.info(f"schedule length changed ({saved_total} -> {total_steps} steps): "
                      f"continuing the new schedule at step {state['step']}")
-            for _ in range(min(state["step"], total_steps)):
-                scheduler.step()
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(min(state["step"], total_steps)):
+                    scheduler.step()
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
@@ -312,8 +315,9 @@ def fit(args, info: DistInfo, log) -> dict[str, Any]:
         return metrics
 
     try:
-        while epoch < args.epochs and step < total_steps:
+        if epoch > 0:  # a resumed run: the loader starts at the checkpoint's epoch
             set_loader_epoch(loader, epoch)
+        while epoch < args.epochs and step < total_steps:
             batches = iter(loader)
             for _ in range(batch_in_epoch):  # data position of a resumed run
                 next(batches)
@@ -362,17 +366,21 @@ def fit(args, info: DistInfo, log) -> dict[str, Any]:
                         log.info(line)
                 if args.save_every_steps and step % args.save_every_steps == 0:
                     save(f"step_{step}.pt")
-                if step >= total_steps:
+                if batch_in_epoch >= steps_per_epoch * k or step >= total_steps:
                     break
-            else:  # the epoch's data is exhausted
-                loader.reset()
-                epoch += 1
-                batch_in_epoch = 0
-                save(f"epoch_{epoch}.pt")
-                if args.zero_shot_every and epoch % args.zero_shot_every == 0:
-                    zs_history.append({"epoch": epoch, **(evaluate(f"epoch {epoch}") or {})})
-                continue
-            break  # max steps reached inside an epoch
+            if batch_in_epoch < steps_per_epoch * k:
+                if step >= total_steps:
+                    break  # --max-steps reached inside an epoch
+                raise TrainingError(f"the loader ended epoch {epoch} after {batch_in_epoch} "
+                                    f"batches, fewer than its length {micro_per_epoch}")
+            for _ in batches:  # leftover batches (< K) that make no full step
+                pass
+            loader.reset()
+            epoch += 1
+            batch_in_epoch = 0
+            save(f"epoch_{epoch}.pt")
+            if args.zero_shot_every and epoch % args.zero_shot_every == 0:
+                zs_history.append({"epoch": epoch, **(evaluate(f"epoch {epoch}") or {})})
         if step != last_saved_step:  # stopped inside an epoch (--max-steps)
             save(f"step_{step}.pt")
     except Exception as exc:

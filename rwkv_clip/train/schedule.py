@@ -20,12 +20,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, total_steps: in
     if kind == "cosine":
         max_lr = [group["lr"] for group in optimizer.param_groups]
         return lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps,
-                                       pct_start=warmup, anneal_strategy="cos",
-                                       cycle_momentum=True)
+                                       pct_start=warmup_fraction(warmup, total_steps),
+                                       anneal_strategy="cos", cycle_momentum=True)
     if kind == "linear":
         return lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.0,
                                      total_iters=total_steps)
     raise ValueError(f"unknown lr scheduler {kind!r}: expected cosine or linear")
+
+
+def warmup_fraction(warmup: float, total_steps: int) -> float:
+    """OneCycleLR divides by (warmup x total - 1): very short runs (a handful of steps,
+    e.g. tests) need at least 1.5 warmup steps; long runs are unaffected."""
+    if warmup * total_steps > 1.5:
+        return warmup
+    return min(1.5 / total_steps, 0.99)
 
 
 def step_scheduler(scheduler, step: int, total_steps: int) -> None:

@@ -1,0 +1,140 @@
+"""Checkpoints: atomic writes, contents loadable by create_RWKV_Model, exact resume."""
+import json
+
+import pytest
+import torch
+
+from rwkv_clip import create_RWKV_Model, load_model_configs
+from rwkv_clip.train import checkpoint as ckpt_io
+from rwkv_clip.train import main, parse_args
+from train_util import TINY_CONFIG, make_tiny_rec, tiny_argv
+
+
+@pytest.fixture(scope="module")
+def tiny_rec(tmp_path_factory):
+    return make_tiny_rec(tmp_path_factory.mktemp("data"), n=24)
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def test_atomic_save_never_leaves_a_broken_file(tmp_path, monkeypatch):
+    good = {"state_dict": {"w": torch.ones(3)}, "step": 1}
+    path = ckpt_io.save_checkpoint(good, tmp_path, "step_1.pt")
+    latest = tmp_path / "checkpoints" / ckpt_io.LATEST
+    assert torch.load(latest, weights_only=True)["step"] == 1
+
+    real_save = torch.save
+
+    def crash_midway(obj, f, *a, **kw):
+        f.write(b"partial bytes")  # a crash after writing part of the file
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash_midway)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt_io.save_checkpoint({"step": 2}, tmp_path, "step_2.pt")
+    monkeypatch.setattr(torch, "save", real_save)
+    assert not (tmp_path / "checkpoints" / "step_2.pt").exists()
+    assert torch.load(latest, weights_only=True)["step"] == 1  # last good one kept
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()
+            if p.name.startswith(".")] == []  # no temporary files left
+
+
+def test_resume_latest_without_checkpoint_starts_fresh(tmp_path):
+    assert ckpt_io.resolve_resume("latest", tmp_path) is None
+    with pytest.raises(ckpt_io.ResumeError, match="no such checkpoint"):
+        ckpt_io.resolve_resume(str(tmp_path / "missing.pt"), tmp_path)
+
+
+@pytest.mark.slow
+def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_rec):
+    """fp32 CPU, dropout and drop path on (RNG states must be restored), accumulation 2
+    (the data position is a micro-batch count): a run resumed from its step-2
+    checkpoint (mid-epoch) ends with the same weights as the uninterrupted run."""
+    extra = ["--epochs", "2", "--gradient-acc", "2", "--batch-size", "4", "--dropout", "0.1",
+             "--drop-path-rate", "0.1", "--save-every-steps", "2", "--seed", "5"]
+    full = main(parse_args(tiny_argv(tmp_path / "full", tiny_rec, *extra)))
+    steps_per_epoch = 24 // 4 // 2
+    assert full["steps"] == 2 * steps_per_epoch and full["epochs"] == 2
+    ckdir = tmp_path / "full" / "checkpoints"
+    names = sorted(p.name for p in ckdir.iterdir())
+    assert {"step_2.pt", "epoch_1.pt", "epoch_2.pt", ckpt_io.LATEST} <= set(names)
+    assert torch.load(ckdir / ckpt_io.LATEST, weights_only=True)["step"] == full["steps"]
+
+    # the checkpoint: model state dict loadable by create_RWKV_Model, + training state
+    state = torch.load(ckdir / "step_2.pt", weights_only=True)
+    assert state["step"] == 2 and state["epoch"] == 0 and state["batch_in_epoch"] == 4
+    for key in ("optimizer", "scheduler", "rng", "args", "model_config"):
+        assert state[key] is not None, key
+    assert state["scaler"] is None  # fp32
+    assert not any(k.startswith("module.") for k in state["state_dict"])
+    reloaded = create_RWKV_Model(load_model_configs(TINY_CONFIG),
+                                 model_weight_path=ckdir / "epoch_2.pt")
+    assert _max_diff(_weights(reloaded), _weights(full["model"])) == 0
+
+    resumed = main(parse_args(tiny_argv(tmp_path / "resumed", tiny_rec, *extra,
+                                        "--resume", str(ckdir / "step_2.pt"))))
+    assert resumed["steps"] == full["steps"]
+    assert _max_diff(_weights(resumed["model"]), _weights(full["model"])) < 1e-6
+    # and the check has teeth: the step-2 weights are far from the final ones
+    assert _max_diff(strip(state["state_dict"]), _weights(full["model"])) > 1e-4
+
+
+def strip(sd):
+    return {k: v for k, v in sd.items()}
+
+
+@pytest.mark.slow
+def test_resume_latest_continues_and_refuses_other_models(tmp_path, tiny_rec):
+    argv = tiny_argv(tmp_path / "run", tiny_rec, "--max-steps", "2")
+    first = main(parse_args(argv))
+    assert first["steps"] == 2
+    latest = tmp_path / "run" / "checkpoints" / ckpt_io.LATEST
+    assert torch.load(latest, weights_only=True)["step"] == 2
+    # without --max-steps the schedule is longer: the run continues from step 2 on the
+    # new schedule and finishes the epoch
+    again = main(parse_args(tiny_argv(tmp_path / "run", tiny_rec, "--resume", "latest")))
+    assert again["steps"] == 24 // 8
+    log = (tmp_path / "run" / "training.log").read_text()
+    assert "resumed from" in log and "step 2" in log
+    with pytest.raises(ckpt_io.ResumeError, match="n_layer"):
+        main(parse_args(tiny_argv(tmp_path / "run", tiny_rec, "--resume", "latest",
+                                  "--n-layer", "1")))
+
+
+@pytest.mark.slow
+def test_pretrained_starts_fresh_from_weights(tmp_path, tiny_rec):
+    first = main(parse_args(tiny_argv(tmp_path / "a", tiny_rec, "--max-steps", "1")))
+    ckpt = tmp_path / "a" / "checkpoints" / ckpt_io.LATEST
+    second = main(parse_args(tiny_argv(tmp_path / "b", tiny_rec, "--max-steps", "1",
+                                       "--pretrained", str(ckpt), "--lock-image", "True")))
+    assert second["steps"] == 1
+    w1, w2 = _weights(first["model"]), _weights(second["model"])
+    # the image tower stayed at the pretrained weights, the text tower moved on
+    assert _max_diff({k: v for k, v in w1.items() if k.startswith("image_model.")},
+                     {k: v for k, v in w2.items() if k.startswith("image_model.")}) == 0
+    assert _max_diff({k: v for k, v in w1.items() if k.startswith("text_model.")},
+                     {k: v for k, v in w2.items() if k.startswith("text_model.")}) > 0
+    saved_args = torch.load(tmp_path / "b" / "checkpoints" / ckpt_io.LATEST,
+                            weights_only=True)["args"]
+    assert saved_args["pretrained"] == str(ckpt)
+    json.dumps(saved_args)  # JSON-safe
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(tmp_path, tiny_rec):
+    from rwkv_clip.train import TrainingError
+    model = create_RWKV_Model(load_model_configs(TINY_CONFIG))
+    with torch.no_grad():
+        model.text_model.emb.weight.fill_(float("nan"))
+    bad = tmp_path / "nan.pt"
+    torch.save(model.state_dict(), bad)
+    with pytest.raises(TrainingError, match="not finite.*last good checkpoint: none"):
+        main(parse_args(tiny_argv(tmp_path / "n", tiny_rec, "--pretrained", str(bad))))
+    assert not (tmp_path / "n" / "checkpoints" / ckpt_io.LATEST).exists()
