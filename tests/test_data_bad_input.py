@@ -52,7 +52,7 @@ def offsets(prefix):
 
 
 def args(path, kind, fmt="rec", **kw):
-    a = dict(train_data=path, data_format=fmt, batch_size=4, workers=1, input_size=16, seed=0,
+    a = dict(train_data=path, data_format=fmt, batch_size=4, workers=0, input_size=16, seed=0,
              skip_corrupt=False, device="cpu", rank=0, world_size=1, loader=kind,
              check_level="full")
     a.update(kw)

@@ -33,7 +33,7 @@ def data(tmp_path_factory):
 
 
 def _args(path, fmt, kind, **kw):
-    a = dict(train_data=path, data_format=fmt, batch_size=8, workers=1, input_size=24,
+    a = dict(train_data=path, data_format=fmt, batch_size=8, workers=0, input_size=24,
              seed=0, skip_corrupt=False, device="cpu", rank=0, world_size=1, loader=kind)
     a.update(kw)
     return NS(**a)
@@ -53,7 +53,7 @@ def _epoch(loader, tmap):
 @pytest.mark.parametrize("fmt", ["rec", "wds"])
 def test_train_loader_pairs_and_coverage(data, kind, fmt):
     _dali_or_skip(kind)
-    L = build_train_loader(_args(data[fmt], fmt, kind), log=None)
+    L = build_train_loader(_args(data[fmt], fmt, kind, workers=2), log=None)
     assert len(L) == 5  # ceil(37 / 8), full batches
     for epoch in range(2):
         ids = _epoch(L, data["tmap"])

@@ -35,9 +35,13 @@ Differences from the original, on purpose:
   231 by repeating the second caption (in DALI, ``fn.pad`` with -1, then in torch).
 * Bad input never reaches DALI: files are checked in Python first (``check_rec`` /
   ``check_wds``); record-level problems raise :class:`DataError` or, with
-  ``skip_corrupt``, are dropped via a filtered index. An image DALI still fails to
-  decode is reported as a DataError naming the file and, after a Python scan of the
-  shard, the record.
+  ``skip_corrupt``, are dropped via a filtered index (WebDataset: only whole bad shards
+  can be dropped). An image DALI still fails to decode (bytes look like a JPEG but are
+  garbage) is reported as a DataError naming the file and, after a Python scan of the
+  data, the record; DALI cannot skip it mid-epoch, so use the torch loader to skip such
+  records.
+* On GPU, images come back as CUDA tensors and tokens as CPU int64 tensors (as the
+  original: its labels were moved with ``.cuda()`` in the training loop).
 """
 
 from __future__ import annotations
@@ -119,7 +123,10 @@ class DALIWrapper:
         except StopIteration:
             raise
         except RuntimeError as e:
-            raise self._diagnose(e) from e
+            err = self._diagnose(e)
+            if err is None:  # no bad record found in Python: not a data problem we know
+                raise
+            raise err from e
         images = data["images"]
         tokens = data["tokens"].to(torch.int64)
         if self.pad_tokens:  # 154-label records were padded with -1 by fn.pad
@@ -136,7 +143,7 @@ class DALIWrapper:
 
 
 def _diagnose_rec(rec_prefix: str, entries, input_size: int):
-    """Find the first record PIL cannot decode; build a DataError naming it."""
+    """Find the first record PIL cannot decode -> DataError naming it (None if all decode)."""
     from .torch_loader import decode_image
 
     def diagnose(exc):
@@ -153,7 +160,7 @@ def _diagnose_rec(rec_prefix: str, entries, input_size: int):
                                      f"{str(exc).splitlines()[0][:200]}", rec_path, key)
         except DataError as e:
             return e
-        return DataError(f"DALI pipeline failed: {str(exc).splitlines()[0][:300]}", rec_path)
+        return None
     return diagnose
 
 
@@ -170,8 +177,7 @@ def _diagnose_wds(index, input_size: int):
                 shard, key = src.name(i)
                 return DataError(f"bad sample ({type(e).__name__}: {e}); DALI said: "
                                  f"{str(exc).splitlines()[0][:200]}", shard, key)
-        return DataError(f"DALI pipeline failed: {str(exc).splitlines()[0][:300]}",
-                         ", ".join(index.shards[:3]))
+        return None
     return diagnose
 
 
@@ -283,8 +289,11 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
 
     try:
         wrapper = DALIWrapper(make_iter, diagnose, pad_tokens)
-    except RuntimeError as e:
-        raise diagnose(e) from e
+    except RuntimeError as e:  # the first batches are prefetched while building
+        err = None if "CUDA" in str(e) else diagnose(e)
+        if err is None:
+            raise
+        raise err from e
     wrapper.skipped = n_skipped
     return wrapper
 
