@@ -277,3 +277,26 @@ def test_wds_truncated_and_missing_shard(good, tmp_path):
         check_wds(str(d / "nope-{000000..000002}.tar"))
     with pytest.raises(DataError, match="no .tar shards"):
         check_wds(str(tmp_path))
+
+
+def test_dali_error_past_unchecked_record_is_diagnosed(good, tmp_path, monkeypatch):
+    """A bad record the pre-check did not look at (quick check on a big file): DALI's own
+    error is turned into a DataError naming the record, promptly."""
+    pytest.importorskip("nvidia.dali")
+    import rwkv_clip.data.dali_pipeline as dp
+    from rwkv_clip.data.recordio import RecCheck, read_index
+    p, key = make_bad_magic(good, tmp_path)
+    real = dp.check_rec
+    calls = []
+
+    def blind_first(prefix, level="full", **kw):
+        calls.append(level)
+        if len(calls) == 1:  # pretend the pre-check sampled only good records
+            idx = read_index(prefix + ".idx")
+            return RecCheck(prefix + ".rec", prefix + ".idx", len(idx), 1, idx, [], {231})
+        return real(prefix, level=level, **kw)
+
+    monkeypatch.setattr(dp, "check_rec", blind_first)
+    expect_error(args(p, "dali", check_level="quick"), "not the start of a record",
+                 p + ".rec", key)
+    assert calls == ["quick", "full"]

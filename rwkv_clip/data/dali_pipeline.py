@@ -142,22 +142,41 @@ class DALIWrapper:
         self.iter.reset()
 
 
+DIAGNOSE_SECONDS = 120.0
+
+
 def _diagnose_rec(rec_prefix: str, entries, input_size: int):
-    """Find the first record PIL cannot decode -> DataError naming it (None if all decode)."""
+    """After a DALI failure: find the bad record -> DataError naming it (None if none found).
+
+    First a full structural check (cheap), then PIL decoding of the records, bounded by
+    ``DIAGNOSE_SECONDS`` so a huge file never turns an error into a long stall.
+    """
+    import time
+
     from .torch_loader import decode_image
 
     def diagnose(exc):
         rec_path, _ = rec_paths(rec_prefix)
+        dali_msg = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
         try:
+            chk = check_rec(rec_prefix, level="full")
+            keys = {k for k, _ in entries}
+            bad = [(k, r) for k, r in chk.bad if k in keys]
+            if bad:
+                return DataError(f"{bad[0][1]}; DALI said: {dali_msg}", rec_path, bad[0][0])
             r = RecordIOReader(rec_prefix, check_index=False)
-            for key, off in entries:
+            t0 = time.time()
+            for n, (key, off) in enumerate(entries):
+                if time.time() - t0 > DIAGNOSE_SECONDS:
+                    return DataError(f"DALI failed ({dali_msg}); no bad record among the first "
+                                     f"{n} checked in Python", rec_path)
                 payload = r.read_at(off, key)
                 _, _, image = unpack(payload, rec_path, key)
                 try:
                     decode_image(image, input_size).load()
                 except Exception as e:
                     return DataError(f"undecodable image ({type(e).__name__}); DALI said: "
-                                     f"{str(exc).splitlines()[0][:200]}", rec_path, key)
+                                     f"{dali_msg}", rec_path, key)
         except DataError as e:
             return e
         return None
@@ -202,7 +221,7 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
 
     if data_format == "rec":
         rec_path, idx_path = rec_paths(data)
-        level = check_level or "full"
+        level = check_level or "auto"
         chk = check_rec(data, level=level)
         if chk.bad:
             if not skip_corrupt:
@@ -215,7 +234,7 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
             idx_path = _filtered_index(chk, cache_dir)
         if not chk.good:
             raise DataError("no usable records", rec_path)
-        pad_tokens = 154 in chk.label_counts or level != "full"
+        pad_tokens = 154 in chk.label_counts or chk.checked < chk.num_records
         entries = chk.good
         n_skipped = len(chk.bad)
         diagnose = _diagnose_rec(data, entries, S)

@@ -11,6 +11,10 @@
 * ``device`` (``'cuda'``/``'cpu'``), ``rank``/``world_size`` (else torchrun env, else 0/1),
   ``local_rank`` (else ``LOCAL_RANK``, else 0);
 * ``loader``: ``'auto'`` (default), ``'dali'`` or ``'torch'``.
+* ``check_level``: how much of a ``.rec`` is checked in Python before reading:
+  ``'full'`` (every record: two small reads each), ``'quick'`` (about 1000 records) or
+  ``'auto'``; default ``'auto'`` for DALI (full up to 1M records) and ``'quick'`` for
+  torch (which checks every record as it reads it anyway).
 
 ``'auto'`` picks DALI when it is importable (GPU pipeline when ``device`` is CUDA and a
 GPU exists, else DALI's CPU-only mode) and the torch ``DataLoader`` otherwise. With

@@ -406,13 +406,17 @@ def _check_one(f, rec_size: int, key, off: int, check_image: bool) -> tuple[str 
 _IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"BM", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*")
 
 
+AUTO_FULL_CHECK_MAX = 1_000_000
+
+
 def check_rec(prefix: str, level: str = "full", check_image: bool = True,
               max_quick: int = 1024) -> RecCheck:
     """Validate a ``.rec``/``.idx`` pair without decoding images.
 
     ``level='full'`` inspects every record (two small reads per record: magic, length
     inside the file, label count 231/154, image signature, JPEG end marker present); ``'quick'`` inspects
-    the first, last and up to ``max_quick`` evenly spaced records. File-level problems
+    the first, last and up to ``max_quick`` evenly spaced records; ``'auto'`` is full up
+    to ``AUTO_FULL_CHECK_MAX`` records, else quick. File-level problems
     (missing/empty files, malformed index, offsets past the end) always raise
     :class:`DataError`; per-record problems are returned in ``bad`` so the caller can
     raise or skip.
@@ -425,6 +429,8 @@ def check_rec(prefix: str, level: str = "full", check_image: bool = True,
         raise DataError("record file is empty", rec_path)
     index = read_index(idx_path)  # offsets past the end are reported per record below
     n = len(index)
+    if level == "auto":
+        level = "full" if n <= AUTO_FULL_CHECK_MAX else "quick"
     if level == "full":
         sel = range(n)
     elif level == "quick":
