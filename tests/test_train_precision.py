@@ -89,3 +89,14 @@ def test_weight_decay_exclusion_groups(tmp_path):
     assert all(p.ndim >= 2 for p in decay["params"])
     args = parse_args(["--config", TINY_CONFIG, "--output", str(tmp_path)])
     assert len(build_optimizer(model, args).param_groups) == 1  # the original: decay all
+
+
+def test_out_of_memory_message_suggests_the_remedies(tmp_path):
+    from rwkv_clip.train.loop import _is_oom, out_of_memory_message
+    args = parse_args(["--config", TINY_CONFIG, "--batch-size", "32", "--output", str(tmp_path)])
+    assert _is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert _is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: out of memory"))
+    assert not _is_oom(RuntimeError("shape mismatch"))
+    msg = out_of_memory_message(torch.OutOfMemoryError("CUDA out of memory"), args)
+    assert "--open-checkpoint True" in msg and "--gradient-acc" in msg
+    assert "--batch-size 32" in msg

@@ -384,19 +384,19 @@ def fit(args, info: DistInfo, log) -> dict[str, Any]:
         if step != last_saved_step:  # stopped inside an epoch (--max-steps)
             save(f"step_{step}.pt")
     except Exception as exc:
+        board.close()
         if _is_oom(exc):
             raise TrainingError(out_of_memory_message(exc, args)) from exc
         raise
     finally:
         if bar is not None:
             bar.close()
-        board_to_close = board
         del ddp_model  # before the process group goes (gloo aborts otherwise)
         gc.collect()
 
     elapsed = time.time() - t_start
     final_metrics = evaluate("final") if args.final_zero_shot else None
-    board_to_close.close()
+    board.close()
     summary = {"steps": step, "epochs": epoch, "train_seconds": elapsed,
                "last_loss": last_result.loss if last_result else None,
                "checkpoint": last_saved, "zero_shot": final_metrics,
