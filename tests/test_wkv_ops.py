@@ -443,3 +443,18 @@ def test_two_processes_build_the_same_kernel_into_a_fresh_cache(tmp_path):
     outs = [p.communicate(timeout=900)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0 and "OK" in out, out[-3000:]
+
+
+def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path):
+    import os
+    import time
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    with pytest.warns(UserWarning, match="stale"):
+        old = time.time() - build.STALE_LOCK_SECONDS - 60
+        os.utime(lock, (old, old))
+        build._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    lock.write_text("")  # a build in progress: left alone
+    build._clear_stale_lock(tmp_path)
+    assert lock.exists()

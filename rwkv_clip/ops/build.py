@@ -203,9 +203,33 @@ def resolve_cuda_variant(variant: str | None = None) -> str:
 
 
 # ---------------------------------------------------------------------------- builders
+STALE_LOCK_SECONDS = 30 * 60
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """cpp_extension serialises builders with a 'lock' file in the build folder and waits
+    for it to vanish. A builder killed mid-build leaves it behind and every later process
+    would wait forever; a lock older than any real build is removed with a warning."""
+    import time
+    import warnings
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"rwkv_clip: removing stale kernel build lock {lock} ({age / 60:.0f} min old)")
+        try:
+            lock.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def _load(name: str, sources: list[Path], verbose: bool, **kw):
     from torch.utils.cpp_extension import load
-    return load(name=name, sources=[str(s) for s in sources], build_directory=str(_build_dir(name)),
+    build_dir = _build_dir(name)
+    _clear_stale_lock(build_dir)
+    return load(name=name, sources=[str(s) for s in sources], build_directory=str(build_dir),
                 verbose=verbose, **kw)
 
 
