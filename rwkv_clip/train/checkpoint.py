@@ -176,8 +176,9 @@ def check_compatible(ckpt: dict[str, Any], args, path) -> None:
     saved = ckpt.get("args") or {}
     saved_model = ckpt.get("model_config") or {}
     current_model = args.model_config
+    free = ("with_cp", "precision", "dropout", "drop_path_rate")  # may change on resume
     diffs = [k for k in current_model
-             if k in saved_model and k not in ("with_cp", "precision", "dropout")
+             if k in saved_model and k not in free
              and saved_model[k] != _json_safe(current_model[k])]
     if diffs:
         raise ResumeError(f"checkpoint {path} was trained with different model settings: " +
