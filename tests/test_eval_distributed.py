@@ -141,3 +141,35 @@ def test_torchrun_cli_matches_single_process(tmp_path):
     b = json.loads((tmp_path / "two" / "imagefolder_zeroshot_classification.json").read_text())
     assert a["metrics"] == pytest.approx(b["metrics"]) and a["num_samples"] == b["num_samples"] == 5
     assert two.stdout.count("wrote ") == 1  # only rank 0 writes
+
+
+def _failing_worker(rank: int, world: int, port: int, folder: str, out: str):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from rwkv_clip import create_RWKV_Model, image_transform, load_model_configs
+        from rwkv_clip.eval.datasets import image_folder_set
+        from rwkv_clip.eval.zeroshot import evaluate_classification
+        model = create_RWKV_Model(load_model_configs(TINY)).eval()
+        s = image_folder_set(Path(folder), image_transform(16, is_train=False), templates=TEMPLATES)
+        try:
+            evaluate_classification(model, s, "cpu", batch_size=2)
+            outcome = "no error"
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome = f"{type(exc).__name__}: {exc}"
+        Path(f"{out}.rank{rank}").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unreadable_image_on_one_rank_stops_every_rank(tmp_path):
+    folder, _ = make_data(tmp_path)
+    (folder / "dog" / "1.png").write_bytes(b"not a png")  # the last sample: rank 1's shard
+    out = str(tmp_path / "fail")
+    mp.start_processes(_failing_worker, args=(2, _free_port(), str(folder), out), nprocs=2,
+                       join=True, start_method="spawn")  # a hang would time the test out
+    rank0 = Path(f"{out}.rank0").read_text()
+    rank1 = Path(f"{out}.rank1").read_text()
+    assert rank0.startswith("PeerRankError") and "other rank" in rank0
+    assert rank1.startswith("ImageReadError") and "1.png" in rank1

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from .datasets import ImageReadError
-from .distributed import DistInfo, current, gather_rows, shard_range
+from .distributed import DistInfo, current, fail_together, gather_rows, shard_range
 
 # tf32 (the original's fourth choice) runs without autocast, like fp32
 PRECISIONS = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -102,8 +102,9 @@ def encode_images_gathered(model, dataset: Dataset, device: torch.device, batch_
     """Every rank encodes its shard; returns ``(targets, outputs)`` for the whole set in
     sample order on every rank."""
     info = info or current()
-    idx, tgt, out = encode_image_shard(model, dataset, device, batch_size, workers, precision,
-                                       describe, fn, info)
+    with fail_together(info):
+        idx, tgt, out = encode_image_shard(model, dataset, device, batch_size, workers,
+                                           precision, describe, fn, info)
     targets, outputs = gather_rows(idx, tgt, out, info=info)
     if targets.shape[0] != len(dataset):
         raise RuntimeError(f"gathered {targets.shape[0]} rows for {len(dataset)} samples")

@@ -9,10 +9,13 @@ CLI calls.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .datasets import EvalError
 
 
 @dataclass(frozen=True)
@@ -72,3 +75,38 @@ def barrier(info: DistInfo | None = None) -> None:
     info = info or current()
     if info.world_size > 1:
         dist.barrier()
+
+
+class PeerRankError(EvalError):
+    """Another rank failed; its own error message says why."""
+
+
+def _count_failures(failed: bool) -> int:
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(failed)], device=device)
+    dist.all_reduce(flag)
+    return int(flag.item())
+
+
+@contextmanager
+def fail_together(info: DistInfo | None = None):
+    """Run one rank's share of the work so that a failure on any rank stops every rank.
+
+    Without this, a rank that raises (say, on an unreadable image) never reaches the next
+    collective and the others wait there forever. Every rank reports success or failure
+    in one all-reduce: the failing rank re-raises its own error, the others raise
+    :class:`PeerRankError`.
+    """
+    info = info or current()
+    if info.world_size <= 1:
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        _count_failures(True)
+        raise
+    failures = _count_failures(False)
+    if failures:
+        raise PeerRankError(f"evaluation failed on {failures} other rank(s); "
+                            "see that rank's error message")

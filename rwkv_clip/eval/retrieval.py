@@ -30,7 +30,7 @@ import torch
 
 from .common import encode_images_gathered, encode_texts
 from .datasets import DatasetNotFoundError, EvalError, ImageListDataset
-from .distributed import DistInfo, current, gather_rows, shard_range
+from .distributed import DistInfo, current, fail_together, gather_rows, shard_range
 from .metrics import retrieval_metrics
 
 ORIGINAL_CAPTION_PREFIX = "a photo of "
@@ -182,10 +182,11 @@ def encode_texts_sharded(model, texts: Sequence[str], device: torch.device, batc
     """Each rank encodes a contiguous shard of ``texts``; all ranks get every feature."""
     info = info or current()
     shard = shard_range(len(texts), info.rank, info.world_size)
-    if len(shard):
-        feats = encode_texts(model, [texts[i] for i in shard], device, batch_size, precision)
-    else:
-        feats = torch.zeros(0, int(model.image_model.embed_dims))
+    with fail_together(info):
+        if len(shard):
+            feats = encode_texts(model, [texts[i] for i in shard], device, batch_size, precision)
+        else:
+            feats = torch.zeros(0, int(model.image_model.embed_dims))
     (out,) = gather_rows(torch.tensor(list(shard), dtype=torch.long), feats, info=info)
     return out
 
