@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="AdamW beta1 (SGD momentum); the cosine schedule cycles it "
                         "0.95 -> 0.85 -> 0.95 as the original's OneCycleLR does")
     g.add_argument("--beta2", type=float, default=0.98, help="AdamW beta2")
-    g.add_argument("--epochs", type=int, default=5, help="passes over the training data")
+    g.add_argument("--epochs", type=int, default=7, help="passes over the training data")
     g.add_argument("--gradient-acc", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step (global batch = batch-size x K x "
                         "world size); see --accum-mode")
