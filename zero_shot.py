@@ -25,12 +25,11 @@ CLASSIFICATION_SETS = ("cifar10, cifar100, food101, pets, flowers, sun397, stanf
 
 
 def _bool(text: str) -> bool:
-    value = str(text).strip().lower()
-    if value in ("true", "1", "yes"):
-        return True
-    if value in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+    from rwkv_clip.config import parse_bool
+    parsed = parse_bool(text)
+    if parsed is None:
+        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+    return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -80,15 +80,24 @@ def resolve_config_path(path_or_name: str | Path) -> Path:
                       f"or one of the shipped configs {available_configs()}")
 
 
-def _as_bool(name: str, value: Any) -> bool:
+TRUE_WORDS = ("true", "1", "yes", "y", "on")
+FALSE_WORDS = ("false", "0", "no", "n", "off")
+
+
+def parse_bool(value: Any) -> bool | None:
+    """True/False/1/0 (also yes/no, on/off) the way the original's scripts pass booleans;
+    None for anything else."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no"):
-        return False
-    raise ConfigError(f"config field {name!r} must be a boolean (True/False/1/0), got {value!r}")
+    return True if text in TRUE_WORDS else False if text in FALSE_WORDS else None
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    parsed = parse_bool(value)
+    if parsed is None:
+        raise ConfigError(f"config field {name!r} must be a boolean (True/False/1/0), got {value!r}")
+    return parsed
 
 
 def complete_args(args: Any, source: str = "config", with_image: bool = True) -> Any:
@@ -158,8 +167,8 @@ def validate_text_args(args: Any, source: str = "config") -> None:
         fail(f"precision {args.precision!r} must be one of fp32, tf32, fp16, bf16")
 
 
-def load_model_configs(config_path: str | Path) -> ModelArgs:
-    """Read a model-config JSON (path or shipped name) into a validated ``ModelArgs``."""
+def read_config_json(config_path: str | Path) -> tuple[dict[str, Any], Path]:
+    """The raw settings of a model-config JSON (path or shipped name) and its path."""
     path = resolve_config_path(config_path)
     try:
         params = json.loads(path.read_text())
@@ -167,6 +176,12 @@ def load_model_configs(config_path: str | Path) -> ModelArgs:
         raise ConfigError(f"model config {path}: not valid JSON ({exc})") from None
     if not isinstance(params, dict):
         raise ConfigError(f"model config {path}: expected a JSON object of settings")
+    return params, path
+
+
+def load_model_configs(config_path: str | Path) -> ModelArgs:
+    """Read a model-config JSON (path or shipped name) into a validated ``ModelArgs``."""
+    params, path = read_config_json(config_path)
     return complete_args(ModelArgs(**params), source=f"model config {path}")
 
 

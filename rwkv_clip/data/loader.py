@@ -28,7 +28,6 @@ and has ``len()`` (batches per epoch, equal on all ranks for training), ``reset(
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, available_configs, load_model_configs, model_args_from_dict, resolve_config_path
+from ..config import (ConfigError, available_configs, load_model_configs, model_args_from_dict,
+                      read_config_json)
 from .datasets import EvalError, PAPER_DATASETS, build_classification_set, canonical_name
 from .distributed import DistInfo, init_from_env
 from .results import append_score_line, result_record, summary, write_result
@@ -44,12 +45,7 @@ def log(info: DistInfo, msg: str) -> None:
 
 # ------------------------------------------------------------------ model
 def _config_dict(path_or_name: str) -> dict:
-    import json
-    path = resolve_config_path(path_or_name)
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"model config {path}: not valid JSON ({exc})") from None
+    return read_config_json(path_or_name)[0]
 
 
 def _arch_overrides(opts) -> dict:

@@ -15,11 +15,10 @@ and collected in ``args.model_config``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, Sequence
 
-from ..config import ConfigError, ModelArgs, complete_args, resolve_config_path
+from ..config import ConfigError, ModelArgs, complete_args, parse_bool, read_config_json
 
 DEFAULT_CONFIG = "RWKV_CLIP_small"
 
@@ -46,15 +45,11 @@ class TrainArgsError(ValueError):
 
 
 def str2bool(value: Any) -> bool:
-    """Booleans the way the original's scripts pass them: True/False, 1/0 (also yes/no)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "y", "on"):
-        return True
-    if text in ("false", "0", "no", "n", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (True/False/1/0), got {value!r}")
+    """argparse type for booleans: True/False, 1/0 (also yes/no), as the original's scripts."""
+    parsed = parse_bool(value)
+    if parsed is None:
+        raise argparse.ArgumentTypeError(f"expected a boolean (True/False/1/0), got {value!r}")
+    return parsed
 
 
 def _bool_flag(group, name: str, default, help: str) -> None:
@@ -218,13 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _tower_base(config: str | None, given: dict[str, Any]) -> tuple[dict[str, Any], str]:
     if config is not None or not given:
         name = config if config is not None else DEFAULT_CONFIG
-        path = resolve_config_path(name)
-        try:
-            base = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"model config {path}: not valid JSON ({exc})") from None
-        if not isinstance(base, dict):
-            raise ConfigError(f"model config {path}: expected a JSON object of settings")
+        base, path = read_config_json(name)
         return base, str(path)
     return dict(ORIGINAL_TOWER_DEFAULTS), "the original train.py defaults"
 

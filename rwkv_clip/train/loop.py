@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import math
 import os
 import random
 import sys
