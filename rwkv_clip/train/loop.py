@@ -1,4 +1,5 @@
-"""The training loop, top to bottom: :func:`main` sets up, :func:`fit` trains.
+"""The training loop, top to bottom: :func:`main` sets up, :func:`fit` outlines the run,
+:class:`Trainer` runs it.
 
 Order of events (every rank unless noted):
 
@@ -22,6 +23,7 @@ import random
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -171,51 +173,98 @@ def main(args) -> dict[str, Any]:
 
 
 def fit(args, info: DistInfo, log) -> dict[str, Any]:
-    from ..data import build_train_loader, ensure_builtin_dataset
+    """Set up model, data and optimizer, resume if asked, train, and summarise."""
+    configure_run(args, info, log)
+    model = build_model(args, info, log)
+    data = prepare_data(args, info, log)
+    trainer = Trainer(args, info, log, model, data)
+    trainer.restore_from_checkpoint()
+    trainer.wrap_ddp()  # after loading, so every rank starts from the same weights
+    trainer.open_logs()
+    trainer.train()
+    return trainer.summarise()
 
-    device = info.device
-    log.info(f"rank {info.rank}/{info.world_size} on {device} "
+
+# ----------------------------------------------------------------------------- setup
+
+def configure_run(args, info: DistInfo, log) -> None:
+    log.info(f"rank {info.rank}/{info.world_size} on {info.device} "
              f"(backend {info.backend or 'none'}); model settings from {args.config_source}")
     warn_ignored(args, log.info)
-    if args.precision == "tf32" and device.type == "cuda":
+    if args.precision == "tf32" and info.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    # --- model: identical initialisation on every rank
+
+def build_model(args, info: DistInfo, log) -> torch.nn.Module:
+    """The model on its device, in train mode; identical initialisation on every rank."""
     seed_everything(args.seed)
-    model_args = SimpleNamespace(**args.model_config)
-    model = create_RWKV_Model(model_args)
+    model = create_RWKV_Model(SimpleNamespace(**args.model_config))
     if args.pretrained:
         load_model_weight(model, args.pretrained)
         log.info(f"initial weights from {args.pretrained}")
     lock_towers(model, args, log)
     model.set_grad_checkpointing(bool(args.open_checkpoint))
-    model.to(device).train()
+    model.to(info.device).train()
     n_params = sum(p.numel() for p in model.parameters())
     log.info(f"RWKV-CLIP: {n_params:,} parameters, precision {args.precision}, "
              f"activation checkpointing {'on' if args.open_checkpoint else 'off'}")
     seed_everything(args.seed + 1 + info.rank)  # per-rank dropout / drop-path streams
+    return model
 
-    # --- data
-    zero_shot_dir = args.zero_shot_data
-    if args.data_format == "builtin":
-        if info.is_master:
-            builtin = ensure_builtin_dataset(root=args.builtin_root)
-        barrier(info)
-        builtin = ensure_builtin_dataset(root=args.builtin_root)
-        train_data, data_format = builtin.train_prefix, "rec"
-        zero_shot_dir = zero_shot_dir or builtin.zeroshot_dir
-        log.info(f"built-in dataset: {builtin.num_train} training pairs at {builtin.root}")
-    else:
-        train_data, data_format = args.train_data, args.data_format
+
+@dataclass
+class TrainData:
+    """The training loader and the run's length in batches and optimizer steps."""
+    loader: Any
+    zero_shot_dir: str | None
+    micro_per_epoch: int  # loader batches per epoch and rank
+    steps_per_epoch: int
+    total_steps: int
+
+
+def prepare_data(args, info: DistInfo, log) -> TrainData:
+    from ..data import build_train_loader
+
+    train_data, data_format, zero_shot_dir = locate_train_data(args, info, log)
     loader = build_train_loader(loader_args(args, info, train_data, data_format),
                                 log=log.info if info.is_master else None)
+    micro_per_epoch = batches_per_epoch(loader, args, info)
+    steps_per_epoch, total_steps = count_steps(micro_per_epoch, args)
+    k = args.gradient_acc
+    global_batch = args.batch_size * k * info.world_size
+    log.info(f"{micro_per_epoch} batches/epoch/rank, {steps_per_epoch} optimizer steps/epoch, "
+             f"{total_steps} steps in all; global batch {global_batch} "
+             f"({args.batch_size} x {k} accumulation [{args.accum_mode}] x {info.world_size} "
+             f"rank(s))")
+    return TrainData(loader, zero_shot_dir, micro_per_epoch, steps_per_epoch, total_steps)
+
+
+def locate_train_data(args, info: DistInfo, log) -> tuple[str, str, str | None]:
+    """(train data, its format, zero-shot folder or None)."""
+    if args.data_format != "builtin":
+        return args.train_data, args.data_format, args.zero_shot_data
+    from ..data import ensure_builtin_dataset
+
+    if info.is_master:  # rank 0 generates the set; the others wait, then find it ready
+        ensure_builtin_dataset(root=args.builtin_root)
+    barrier(info)
+    builtin = ensure_builtin_dataset(root=args.builtin_root)
+    log.info(f"built-in dataset: {builtin.num_train} training pairs at {builtin.root}")
+    return builtin.train_prefix, "rec", args.zero_shot_data or builtin.zeroshot_dir
+
+
+def batches_per_epoch(loader, args, info: DistInfo) -> int:
     try:
-        micro_per_epoch = len(loader)
-    except TypeError:
+        return len(loader)
+    except TypeError:  # a streaming loader: the length comes from --train-num-samples
         if not args.train_num_samples:
             raise TrainingError("the loader has no length: give --train-num-samples")
-        micro_per_epoch = args.train_num_samples // info.world_size // args.batch_size
+        return args.train_num_samples // info.world_size // args.batch_size
+
+
+def count_steps(micro_per_epoch: int, args) -> tuple[int, int]:
+    """(optimizer steps per epoch, steps in the whole run)."""
     k = args.gradient_acc
     steps_per_epoch = micro_per_epoch // k
     if steps_per_epoch < 1:
@@ -225,188 +274,269 @@ def fit(args, info: DistInfo, log) -> dict[str, Any]:
     total_steps = args.epochs * steps_per_epoch
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
-    global_batch = args.batch_size * k * info.world_size
-    log.info(f"{micro_per_epoch} batches/epoch/rank, {steps_per_epoch} optimizer steps/epoch, "
-             f"{total_steps} steps in all; global batch {global_batch} "
-             f"({args.batch_size} x {k} accumulation [{args.accum_mode}] x {info.world_size} "
-             f"rank(s))")
+    return steps_per_epoch, total_steps
 
-    # --- objective, optimizer, schedule
-    loss_fn = ClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
-                       cache_labels=True, rank=info.rank, world_size=info.world_size)
-    optimizer = build_optimizer(model, args)
-    scheduler = build_scheduler(optimizer, args.lr_scheduler, total_steps, args.warmup)
-    scaler = make_scaler(args.precision, device)
-    autocast = autocast_factory(args.precision, device)
 
-    # --- resume
-    step, epoch, batch_in_epoch, rng_to_restore = 0, 0, 0, None
-    resume_path = ckpt_io.resolve_resume(args.resume, args.output)
-    if args.resume == "latest" and resume_path is None:
-        log.info(f"--resume latest: no checkpoint in {ckpt_io.checkpoint_dir(args.output)}, "
-                 "starting fresh")
-    if resume_path is not None:
-        state = ckpt_io.load_checkpoint(resume_path)
-        ckpt_io.check_compatible(state, args, resume_path)
-        model.load_state_dict(state["state_dict"])
-        optimizer.load_state_dict(state["optimizer"])
-        saved_total = state.get("total_steps")
+# ----------------------------------------------------------------------------- trainer
+
+@dataclass
+class RunState:
+    """Where the run stands: what a checkpoint records and a resume restores."""
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # loader batches consumed in the current epoch
+    last_saved: str | None = None  # newest checkpoint path (rank 0 only)
+    last_saved_step: int = 0
+    last_result: Any = None  # the latest train_step result
+    zs_history: list[dict] = field(default_factory=list)
+
+
+class Trainer:
+    """Optimizer, schedule and run state around one model; ``train`` runs the epochs."""
+
+    def __init__(self, args, info: DistInfo, log, model: torch.nn.Module, data: TrainData):
+        self.args, self.info, self.log, self.device = args, info, log, info.device
+        self.model, self.ddp_model, self.data = model, model, data
+        self.loss_fn = ClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
+                                cache_labels=True, rank=info.rank, world_size=info.world_size)
+        self.optimizer = build_optimizer(model, args)
+        self.scheduler = build_scheduler(self.optimizer, args.lr_scheduler, data.total_steps,
+                                         args.warmup)
+        self.scaler = make_scaler(args.precision, self.device)
+        self.autocast = autocast_factory(args.precision, self.device)
+        self.state = RunState()
+        self.rng_to_restore = None  # this rank's RNG states from a checkpoint, if any
+
+    # --- resume and distributed setup
+
+    def restore_from_checkpoint(self) -> None:
+        """``--resume``: model, optimizer, schedule, scaler, counters and RNG states."""
+        args, log, s = self.args, self.log, self.state
+        path = ckpt_io.resolve_resume(args.resume, args.output)
+        if args.resume == "latest" and path is None:
+            log.info(f"--resume latest: no checkpoint in {ckpt_io.checkpoint_dir(args.output)}, "
+                     "starting fresh")
+        if path is None:
+            return
+        ckpt = ckpt_io.load_checkpoint(path)
+        ckpt_io.check_compatible(ckpt, args, path)
+        self.model.load_state_dict(ckpt["state_dict"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self._restore_schedule(ckpt)
+        if self.scaler is not None and ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        s.step, s.epoch, s.batch_in_epoch = ckpt["step"], ckpt["epoch"], ckpt["batch_in_epoch"]
+        s.last_saved_step = s.step
+        self.rng_to_restore = self._rng_for_this_rank(ckpt["rng"])
+        log.info(f"resumed from {path}: step {s.step}, epoch {s.epoch}, "
+                 f"batch {s.batch_in_epoch} of that epoch")
+
+    def _restore_schedule(self, ckpt: dict) -> None:
+        saved_total, total_steps = ckpt.get("total_steps"), self.data.total_steps
         if saved_total in (None, total_steps):
-            scheduler.load_state_dict(state["scheduler"])
-        else:  # --epochs / --max-steps changed: the new schedule, fast-forwarded
-            log.info(f"schedule length changed ({saved_total} -> {total_steps} steps): "
-                     f"continuing the new schedule at step {state['step']}")
-            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
-                warnings.simplefilter("ignore", UserWarning)
-                for _ in range(min(state["step"], total_steps)):
-                    scheduler.step()
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        rngs = state["rng"]
-        if isinstance(rngs, list):
-            rng_to_restore = rngs[info.rank] if len(rngs) == info.world_size else None
-        if rng_to_restore is None:
-            log.info("checkpoint RNG states are for another world size: reseeding instead")
-        log.info(f"resumed from {resume_path}: step {step}, epoch {epoch}, "
-                 f"batch {batch_in_epoch} of that epoch")
-        del state
+            self.scheduler.load_state_dict(ckpt["scheduler"])
+            return
+        # --epochs / --max-steps changed: the new schedule, fast-forwarded
+        self.log.info(f"schedule length changed ({saved_total} -> {total_steps} steps): "
+                      f"continuing the new schedule at step {ckpt['step']}")
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(min(ckpt["step"], total_steps)):
+                self.scheduler.step()
 
-    # --- wrap for DDP (after loading, so every rank starts from the same weights)
-    ddp_model = model
-    if info.distributed:
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=32, find_unused_parameters=False)
+    def _rng_for_this_rank(self, rngs):
+        """This rank's saved RNG states, or None when saved for another world size."""
+        rng = None
+        if isinstance(rngs, list) and len(rngs) == self.info.world_size:
+            rng = rngs[self.info.rank]
+        if rng is None:
+            self.log.info("checkpoint RNG states are for another world size: reseeding instead")
+        return rng
 
-    board = Board(args.output, args.tensorboard and info.is_master)
-    speed = SpeedLogger(args.log_every, total_steps, info.world_size, start_step=step)
-    bar = progress_bar(total_steps, step, args.progress and info.is_master)
-    finite_everywhere = functools.partial(_all_finite, info=info)
-    last_saved: str | None = None
-    last_saved_step = step
-    last_result = None
-    zs_history: list[dict] = []
-    t_start = time.time()
+    def wrap_ddp(self) -> None:
+        if self.info.distributed:
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                bucket_cap_mb=32, find_unused_parameters=False)
 
-    def save(name: str) -> None:
-        nonlocal last_saved, last_saved_step
-        rngs_all = _gather_rng(info)
-        if info.is_master:
-            state = ckpt_io.build_checkpoint(model, optimizer, scheduler, scaler, step=step,
-                                             epoch=epoch, batch_in_epoch=batch_in_epoch,
-                                             args=args, device=device)
-            state["rng"] = rngs_all
-            state["total_steps"] = total_steps
-            path = ckpt_io.save_checkpoint(state, args.output, name)
-            last_saved = str(path)
-            log.info(f"saved {path}")
-        last_saved_step = step
-        barrier(info)
+    def open_logs(self) -> None:
+        """TensorBoard, speed lines and progress bar, counting from the (resumed) step."""
+        args, info, step, total = self.args, self.info, self.state.step, self.data.total_steps
+        self.board = Board(args.output, args.tensorboard and info.is_master)
+        self.speed = SpeedLogger(args.log_every, total, info.world_size, start_step=step)
+        self.bar = progress_bar(total, step, args.progress and info.is_master)
+        self.finite_everywhere = functools.partial(_all_finite, info=info)
+        self.t_start = time.time()
 
-    def evaluate(tag: str) -> dict | None:
-        if not zero_shot_dir:
+    # --- the loop
+
+    def train(self) -> None:
+        try:
+            self.run_epochs()
+        except Exception as exc:
+            self.board.close()
+            if _is_oom(exc):
+                raise TrainingError(out_of_memory_message(exc, self.args)) from exc
+            raise
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            del self.ddp_model  # before the process group goes (gloo aborts otherwise)
+            gc.collect()
+
+    def run_epochs(self) -> None:
+        s = self.state
+        if s.epoch > 0:  # a resumed run: the loader starts at the checkpoint's epoch
+            set_loader_epoch(self.data.loader, s.epoch)
+        while s.epoch < self.args.epochs and s.step < self.data.total_steps:
+            batches = self.open_epoch()
+            if not self.run_epoch(batches):
+                break  # --max-steps reached inside an epoch
+            self.close_epoch(batches)
+        if s.step != s.last_saved_step:  # stopped inside an epoch (--max-steps)
+            self.save_checkpoint(f"step_{s.step}.pt")
+
+    def open_epoch(self):
+        """The epoch's batch iterator, at a resumed run's data position and RNG states."""
+        batches = iter(self.data.loader)
+        for _ in range(self.state.batch_in_epoch):
+            next(batches)
+        if self.rng_to_restore is not None:  # after the iterator exists (it may draw seeds)
+            ckpt_io.restore_rng_states(self.rng_to_restore, self.device)
+            self.rng_to_restore = None
+        return batches
+
+    def run_epoch(self, batches) -> bool:
+        """Optimizer steps of K batches each; True if the epoch ran to its end, False if
+        --max-steps stopped it."""
+        s, k = self.state, self.args.gradient_acc
+        epoch_batches = self.data.steps_per_epoch * k
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for images, tokens in batches:
+            s.batch_in_epoch += 1
+            pending.append((images, tokens))
+            if len(pending) < k:
+                continue
+            group = self.micro_batches(pending)
+            pending = []
+            self.optimizer_step(group)
+            del group  # the step's batches are freed before logging and saving
+            self.log_step()
+            if self.args.save_every_steps and s.step % self.args.save_every_steps == 0:
+                self.save_checkpoint(f"step_{s.step}.pt")
+            if s.batch_in_epoch >= epoch_batches or s.step >= self.data.total_steps:
+                break
+        if s.batch_in_epoch >= epoch_batches:
+            return True
+        if s.step >= self.data.total_steps:
+            return False
+        raise TrainingError(f"the loader ended epoch {s.epoch} after {s.batch_in_epoch} "
+                            f"batches, fewer than its length {self.data.micro_per_epoch}")
+
+    def micro_batches(self, pending: list[tuple[torch.Tensor, torch.Tensor]]):
+        """The step's K batches on the device; captions drawn from the step's own stream."""
+        step_in_epoch = self.state.batch_in_epoch // self.args.gradient_acc - 1
+        captions = caption_generator(self.args.seed, self.info.rank, self.state.epoch,
+                                     step_in_epoch)
+        return make_micro_batches([p[0] for p in pending], [p[1] for p in pending], captions,
+                                  self.device)
+
+    def optimizer_step(self, group) -> None:
+        s = self.state
+        try:
+            s.last_result = train_step(self.ddp_model, group, self.loss_fn, self.optimizer,
+                                       scaler=self.scaler, autocast=self.autocast,
+                                       mode=self.args.accum_mode,
+                                       clip_grad_norm=self.args.grad_clip_norm,
+                                       all_ranks_finite=self.finite_everywhere)
+        except NonFiniteLossError as exc:
+            raise TrainingError(
+                f"stopping at step {s.step + 1} (epoch {s.epoch}): {exc}. Parameters were "
+                f"not updated; last good checkpoint: {s.last_saved or 'none saved yet'}. "
+                "Try a lower --lr, --precision bf16 or fp32, or --resume from the "
+                "checkpoint.") from None
+        s.step += 1
+        step_scheduler(self.scheduler, s.step, self.data.total_steps)
+
+    def close_epoch(self, batches) -> None:
+        """Drain, count and checkpoint a finished epoch; zero-shot every N epochs."""
+        s, every = self.state, self.args.zero_shot_every
+        for _ in batches:  # leftover batches (< K) that make no full step
+            pass
+        self.data.loader.reset()
+        s.epoch += 1
+        s.batch_in_epoch = 0
+        self.save_checkpoint(f"epoch_{s.epoch}.pt")
+        if every and s.epoch % every == 0:
+            s.zs_history.append(
+                {"epoch": s.epoch, **(self.evaluate_zero_shot(f"epoch {s.epoch}") or {})})
+
+    # --- logging, checkpoints, evaluation
+
+    def log_step(self) -> None:
+        """Speed line (every rank counts), TensorBoard and progress bar (rank 0)."""
+        s, result = self.state, self.state.last_result
+        amp_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        lr = current_lr(self.optimizer)
+        line = self.speed.update(step=s.step, loss=result.loss, samples=result.samples,
+                                 lr=lr, amp_scale=amp_scale)
+        if not self.info.is_master:
+            return
+        self.board.scalars(s.step, loss=result.loss, lr=lr, logit_scale=result.logit_scale,
+                           samples_per_second=(self.speed.last_speed * self.info.world_size
+                                               if line else None))
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}")
+        if line:
+            self.log.info(line)
+
+    def save_checkpoint(self, name: str) -> None:
+        """Every rank's RNG states go in, so every rank must call this; rank 0 writes."""
+        s = self.state
+        rngs_all = _gather_rng(self.info)
+        if self.info.is_master:
+            ckpt = ckpt_io.build_checkpoint(self.model, self.optimizer, self.scheduler,
+                                            self.scaler, step=s.step, epoch=s.epoch,
+                                            batch_in_epoch=s.batch_in_epoch, args=self.args,
+                                            device=self.device)
+            ckpt["rng"] = rngs_all
+            ckpt["total_steps"] = self.data.total_steps
+            path = ckpt_io.save_checkpoint(ckpt, self.args.output, name)
+            s.last_saved = str(path)
+            self.log.info(f"saved {path}")
+        s.last_saved_step = s.step
+        barrier(self.info)
+
+    def evaluate_zero_shot(self, tag: str) -> dict | None:
+        folder = self.data.zero_shot_dir
+        if not folder:
             return None
-        metrics = zero_shot(model, zero_shot_dir, args, device)
-        if info.is_master:
-            log.info(f"zero-shot ({tag}) on {zero_shot_dir}: {describe_zero_shot(metrics)}")
-            board.scalars(step, **{"zeroshot/top1": metrics["acc1"]})
+        metrics = zero_shot(self.model, folder, self.args, self.device)
+        if self.info.is_master:
+            self.log.info(f"zero-shot ({tag}) on {folder}: {describe_zero_shot(metrics)}")
+            self.board.scalars(self.state.step, **{"zeroshot/top1": metrics["acc1"]})
         return metrics
 
-    try:
-        if epoch > 0:  # a resumed run: the loader starts at the checkpoint's epoch
-            set_loader_epoch(loader, epoch)
-        while epoch < args.epochs and step < total_steps:
-            batches = iter(loader)
-            for _ in range(batch_in_epoch):  # data position of a resumed run
-                next(batches)
-            if rng_to_restore is not None:  # after the iterator exists (it may draw seeds)
-                ckpt_io.restore_rng_states(rng_to_restore, device)
-                rng_to_restore = None
-            pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for images, tokens in batches:
-                batch_in_epoch += 1
-                pending.append((images, tokens))
-                if len(pending) < k:
-                    continue
-                group = make_micro_batches(
-                    [p[0] for p in pending], [p[1] for p in pending],
-                    caption_generator(args.seed, info.rank, epoch, batch_in_epoch // k - 1),
-                    device)
-                pending = []
-                try:
-                    last_result = train_step(ddp_model, group, loss_fn, optimizer,
-                                             scaler=scaler, autocast=autocast,
-                                             mode=args.accum_mode,
-                                             clip_grad_norm=args.grad_clip_norm,
-                                             all_ranks_finite=finite_everywhere)
-                except NonFiniteLossError as exc:
-                    raise TrainingError(
-                        f"stopping at step {step + 1} (epoch {epoch}): {exc}. Parameters were "
-                        f"not updated; last good checkpoint: {last_saved or 'none saved yet'}. "
-                        "Try a lower --lr, --precision bf16 or fp32, or --resume from the "
-                        "checkpoint.") from None
-                del group
-                step += 1
-                step_scheduler(scheduler, step, total_steps)
-                amp_scale = scaler.get_scale() if scaler is not None else 1.0
-                lr = current_lr(optimizer)
-                line = speed.update(step=step, loss=last_result.loss,
-                                    samples=last_result.samples, lr=lr, amp_scale=amp_scale)
-                if info.is_master:
-                    board.scalars(step, loss=last_result.loss, lr=lr,
-                                  logit_scale=last_result.logit_scale,
-                                  samples_per_second=(speed.last_speed * info.world_size
-                                                      if line else None))
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{last_result.loss:.3f}", lr=f"{lr:.2e}")
-                    if line:
-                        log.info(line)
-                if args.save_every_steps and step % args.save_every_steps == 0:
-                    save(f"step_{step}.pt")
-                if batch_in_epoch >= steps_per_epoch * k or step >= total_steps:
-                    break
-            if batch_in_epoch < steps_per_epoch * k:
-                if step >= total_steps:
-                    break  # --max-steps reached inside an epoch
-                raise TrainingError(f"the loader ended epoch {epoch} after {batch_in_epoch} "
-                                    f"batches, fewer than its length {micro_per_epoch}")
-            for _ in batches:  # leftover batches (< K) that make no full step
-                pass
-            loader.reset()
-            epoch += 1
-            batch_in_epoch = 0
-            save(f"epoch_{epoch}.pt")
-            if args.zero_shot_every and epoch % args.zero_shot_every == 0:
-                zs_history.append({"epoch": epoch, **(evaluate(f"epoch {epoch}") or {})})
-        if step != last_saved_step:  # stopped inside an epoch (--max-steps)
-            save(f"step_{step}.pt")
-    except Exception as exc:
-        board.close()
-        if _is_oom(exc):
-            raise TrainingError(out_of_memory_message(exc, args)) from exc
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        del ddp_model  # before the process group goes (gloo aborts otherwise)
-        gc.collect()
-
-    elapsed = time.time() - t_start
-    final_metrics = evaluate("final") if args.final_zero_shot else None
-    board.close()
-    summary = {"steps": step, "epochs": epoch, "train_seconds": elapsed,
-               "last_loss": last_result.loss if last_result else None,
-               "checkpoint": last_saved, "zero_shot": final_metrics,
-               "zero_shot_history": zs_history, "model": model}
-    if info.is_master:
-        log.info(f"done: {step} steps in {elapsed / 60:.1f} min, last loss "
-                 f"{summary['last_loss'] if summary['last_loss'] is None else round(summary['last_loss'], 4)}"
-                 f", checkpoint {last_saved}")
-        if final_metrics is not None:
-            log.info(f"final zero-shot accuracy: {describe_zero_shot(final_metrics)}")
-    return summary
+    def summarise(self) -> dict[str, Any]:
+        """Final zero-shot accuracy (if asked), the closing log lines, the summary dict."""
+        s = self.state
+        elapsed = time.time() - self.t_start
+        final_metrics = self.evaluate_zero_shot("final") if self.args.final_zero_shot else None
+        self.board.close()
+        last_loss = s.last_result.loss if s.last_result else None
+        summary = {"steps": s.step, "epochs": s.epoch, "train_seconds": elapsed,
+                   "last_loss": last_loss, "checkpoint": s.last_saved,
+                   "zero_shot": final_metrics, "zero_shot_history": s.zs_history,
+                   "model": self.model}
+        if self.info.is_master:
+            self.log.info(f"done: {s.step} steps in {elapsed / 60:.1f} min, last loss "
+                          f"{last_loss if last_loss is None else round(last_loss, 4)}"
+                          f", checkpoint {s.last_saved}")
+            if final_metrics is not None:
+                self.log.info(f"final zero-shot accuracy: {describe_zero_shot(final_metrics)}")
+        return summary
 
 
 def _all_finite(ok: bool, info: DistInfo) -> bool:
