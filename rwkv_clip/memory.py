@@ -796,10 +796,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns._worker:
         print(json.dumps(measure_worker(**json.loads(ns._worker))))
         return 0
-    from .config import load_model_configs
-    config = ns.config or str(Path(__file__).resolve().parents[1] / "model_config"
-                              / "RWKV_CLIP_B32.json")
-    args = load_model_configs(config)
+    from .config import ConfigError, load_model_configs, resolve_config_path
+    try:
+        config = str(resolve_config_path(ns.config or "RWKV_CLIP_B32"))
+        args = load_model_configs(config)
+    except ConfigError as exc:
+        ap.error(str(exc))  # one line and exit status 2, no traceback
     # estimate with the autocast rules of the device that will run it: the one measured
     # on, else a GPU (what the planner is for)
     device = ns.device or (_default_device() if ns.measure else "cuda")
