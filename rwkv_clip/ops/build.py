@@ -20,8 +20,10 @@ any compiler runs.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.resources
+import logging
 import os
 import re
 import shutil
@@ -225,8 +227,26 @@ def _clear_stale_lock(build_dir: Path) -> None:
             pass
 
 
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _load(name: str, sources: list[Path], verbose: bool, **kw):
-    from torch.utils.cpp_extension import load
+    if not os.environ.get("CUDA_HOME"):
+        # cpp_extension guesses the toolkit root at import and warns when the guess (from
+        # the nvcc wrapper) is wrong; point it at the real root first, even for CPU builds
+        home = find_cuda_home()
+        if home is not None:
+            os.environ["CUDA_HOME"] = str(home)
+    with _quiet_logger("torch.utils.cpp_extension"):  # "No CUDA runtime is found" on CPU hosts
+        from torch.utils.cpp_extension import load
     build_dir = _build_dir(name)
     _clear_stale_lock(build_dir)
     return load(name=name, sources=[str(s) for s in sources], build_directory=str(build_dir),

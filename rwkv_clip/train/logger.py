@@ -16,6 +16,17 @@ import time
 LOGGER_NAME = "rwkv_clip.train"
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    """Writes through tqdm so a log line never lands in the middle of the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
 def setup_logging(output: str, rank: int) -> logging.Logger:
     """Rank 0: 'Training: <time>-<message>' to stdout and OUTPUT/training.log (as the
     original). Other ranks: warnings and errors only."""
@@ -28,7 +39,7 @@ def setup_logging(output: str, rank: int) -> logging.Logger:
     if rank == 0:
         os.makedirs(output, exist_ok=True)
         handlers = [logging.FileHandler(os.path.join(output, "training.log")),
-                    logging.StreamHandler(sys.stdout)]
+                    _ConsoleHandler(sys.stdout)]
         log.setLevel(logging.INFO)
     else:
         handlers = [logging.StreamHandler(sys.stderr)]
@@ -124,9 +135,10 @@ class Board:
 
 
 def progress_bar(total: int, initial: int, enabled: bool):
-    """tqdm over optimizer steps (rank 0 only), or None."""
+    """tqdm over optimizer steps (rank 0 only; hidden when stderr is not a terminal, so
+    redirected logs stay clean), or None."""
     if not enabled:
         return None
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                desc="train", file=sys.stderr, leave=False)
+                desc="train", file=sys.stderr, leave=False, disable=None)
