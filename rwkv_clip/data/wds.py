@@ -57,6 +57,18 @@ def list_shards(spec) -> list[str]:
     return items
 
 
+
+def sample_key(member: tarfile.TarInfo) -> tuple[str, str] | None:
+    """WebDataset grouping: ``dir/stem.ext`` -> (``dir/stem``, lower-case ``ext``); None
+    for members that are not files or have no extension."""
+    if not member.isfile():
+        return None
+    folder, base = os.path.split(member.name)
+    if "." not in base:
+        return None
+    stem, ext = base.split(".", 1)
+    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+
 @dataclass
 class WdsSample:
     shard: str
@@ -89,17 +101,14 @@ def index_shards(paths: list[str]) -> WdsIndex:
                 end = 0
                 for m in tf:
                     end = m.offset_data + -(-m.size // 512) * 512
-                    if not m.isfile():
+                    split = sample_key(m)
+                    if split is None:
                         continue
-                    d, base = os.path.split(m.name)
-                    if "." not in base:
-                        continue
-                    stem, ext = base.split(".", 1)
-                    key = f"{d}/{stem}" if d else stem
+                    key, ext = split
                     if key not in groups:
                         groups[key] = {}
                         order.append(key)
-                    groups[key][ext.lower()] = (m.offset_data, m.size)
+                    groups[key][ext] = (m.offset_data, m.size)
             size = os.path.getsize(path)
             # tarfile stops quietly when a cut lands on a header block: require the
             # end-of-archive marker (two zero blocks) after the last member

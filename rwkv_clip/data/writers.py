@@ -37,6 +37,7 @@ from PIL import Image
 
 from .recordio import DataError, RecordIOWriter
 from .tokens import NUM_LABELS, encode_captions_batch, labels_for_rec
+from .wds import sample_key
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 JPEG_QUALITY = 95
@@ -112,14 +113,10 @@ def iter_img2dataset(folder: str) -> Iterator[dict]:
             order = []
             try:
                 for m in tf:
-                    if not m.isfile():
+                    split = sample_key(m)
+                    if split is None:
                         continue
-                    d, base = os.path.split(m.name)
-                    if "." not in base:
-                        continue
-                    stem, ext = base.split(".", 1)
-                    key = f"{d}/{stem}" if d else stem
-                    ext = ext.lower()
+                    key, ext = split
                     if ext not in IMAGE_EXTS + ("txt", "json"):
                         continue
                     if key not in groups:
