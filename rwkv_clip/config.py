@@ -144,9 +144,8 @@ def validate_image_args(args: Any, source: str = "config") -> None:
     if image_head % 4:
         fail(f"image head size {image_head} (image_embed_dims / image_num_heads) must be a "
              "multiple of 4 (the q-shift splits each head into quarters)")
-    if args.input_size % args.image_patch_size:
-        fail(f"input_size {args.input_size} not divisible by image_patch_size "
-             f"{args.image_patch_size}")
+    # input_size need not be a multiple of image_patch_size: the patch embedding pads
+    # the bottom/right edge as the original's (mmcv "corner" adaptive padding).
     if args.image_output_cls_token and not args.image_with_cls_token:
         fail("image_output_cls_token needs image_with_cls_token")
 

@@ -145,3 +145,17 @@ def test_image_tower_standalone_signature():
     out = tower(torch.randn(1, 3, 32, 32))
     assert len(out) == 1 and out[0].shape == (1, 160, 4, 4)
     assert math.isclose(tower.layers[1].att.time_faaaa.flatten()[0].item(), 1.0 + 0.0, abs_tol=1e-6)
+
+
+def test_input_size_not_a_multiple_of_the_patch_is_padded():
+    torch.manual_seed(0)
+    model = create_RWKV_Model(_tiny(input_size=18)).eval()  # 18 = 4 x 4 + 2: a 5x5 grid
+    assert model.image_model.pos_embed.shape == (1, 25, 64)
+    images = torch.randn(1, 3, 18, 18)
+    padded = torch.nn.functional.pad(images, [0, 2, 0, 2])
+    with torch.no_grad():
+        tokens, grid = model.image_model.patch_embed(images)
+        expected = model.image_model.patch_embed.projection(padded).flatten(2).transpose(1, 2)
+    assert grid == (5, 5)
+    torch.testing.assert_close(tokens, expected)
+    assert torch.isfinite(model.encode_image(images)).all()
