@@ -4,27 +4,19 @@ skip_corrupt the loaders skip and count bad records."""
 import io
 import os
 import shutil
-import struct
 import tarfile
 from types import SimpleNamespace as NS
 
-import numpy as np
 import pytest
 
 from rwkv_clip.data import DataError, RecordIOReader, RecordIOWriter, build_train_loader, check_rec
-from rwkv_clip.data.tokens import encode_captions_batch, labels_for_rec
 from rwkv_clip.data.wds import check_wds
 from rwkv_clip.data.writers import write_rec, write_wds
 
-from test_data_common import check_batch_pairs, make_samples, token_map
+from test_data_common import check_batch_pairs, dali_or_skip, make_samples, token_map
 
 N = 12
 LOADERS = ["dali", "torch"]
-
-
-def _dali_or_skip(kind):
-    if kind == "dali":
-        pytest.importorskip("nvidia.dali")
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +148,7 @@ def test_check_rec_names_bad_record(good, tmp_path, case):
 @pytest.mark.parametrize("kind", LOADERS)
 @pytest.mark.parametrize("case", list(STRUCTURAL))
 def test_loader_raises_then_skips(good, tmp_path, tmap, kind, case):
-    _dali_or_skip(kind)
+    dali_or_skip(kind)
     make, match = STRUCTURAL[case]
     p, key = make(good, tmp_path)
     expect_error(args(p, kind), match, p + ".rec", key)
@@ -168,7 +160,7 @@ def test_loader_raises_then_skips(good, tmp_path, tmap, kind, case):
 
 @pytest.mark.parametrize("kind", LOADERS)
 def test_missing_files(good, tmp_path, kind):
-    _dali_or_skip(kind)
+    dali_or_skip(kind)
     p = copy_rec(good, tmp_path)
     os.remove(p + ".idx")
     expect_error(args(p, kind), "index file not found", p + ".idx", None)
@@ -180,7 +172,7 @@ def test_missing_files(good, tmp_path, kind):
 
 @pytest.mark.parametrize("kind", LOADERS)
 def test_malformed_index(good, tmp_path, kind):
-    _dali_or_skip(kind)
+    dali_or_skip(kind)
     p = copy_rec(good, tmp_path)
     open(p + ".idx", "a").write("garbage line here\n")
     expect_error(args(p, kind), "malformed index line", p + ".idx", None)
@@ -201,7 +193,7 @@ def _undecodable(good, tmp_path):
 
 @pytest.mark.parametrize("kind", LOADERS)
 def test_undecodable_image(good, tmp_path, tmap, kind):
-    _dali_or_skip(kind)
+    dali_or_skip(kind)
     p, key = _undecodable(good, tmp_path)
     assert not check_rec(p).bad
     for workers in ([1] if kind == "dali" else [0, 2]):

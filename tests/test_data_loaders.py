@@ -11,15 +11,10 @@ from rwkv_clip.data import RecordIOWriter, build_eval_loader, build_train_loader
 from rwkv_clip.data.tokens import encode_captions_batch, labels_for_rec
 from rwkv_clip.data.writers import write_rec, write_wds
 
-from test_data_common import check_batch_pairs, make_samples, solid_image, token_map
+from test_data_common import check_batch_pairs, dali_or_skip, make_samples, solid_image, token_map
 
 N = 37
 LOADERS = ["dali", "torch"]
-
-
-def _dali_or_skip(kind):
-    if kind == "dali":
-        pytest.importorskip("nvidia.dali")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +47,7 @@ def _epoch(loader, tmap):
 @pytest.mark.parametrize("kind", LOADERS)
 @pytest.mark.parametrize("fmt", ["rec", "wds"])
 def test_train_loader_pairs_and_coverage(data, kind, fmt):
-    _dali_or_skip(kind)
+    dali_or_skip(kind)
     L = build_train_loader(_args(data[fmt], fmt, kind, workers=2), log=None)
     assert len(L) == 5  # ceil(37 / 8), full batches
     for epoch in range(2):
@@ -64,7 +59,7 @@ def test_train_loader_pairs_and_coverage(data, kind, fmt):
 @pytest.mark.parametrize("kind", LOADERS)
 @pytest.mark.parametrize("fmt", ["rec", "wds"])
 def test_two_ranks_disjoint_and_complete(data, kind, fmt):
-    _dali_or_skip(kind)
+    dali_or_skip(kind)
     per_rank = []
     lens = []
     for rank in (0, 1):
@@ -90,7 +85,7 @@ def test_rank_from_torchrun_env(data, monkeypatch):
 def test_augmentation_varies_and_is_seeded(tmp_path, kind):
     """A non-uniform image: crops/flips differ between epochs; same seed -> same batches
     (torch); both produce CLIP-normalised statistics."""
-    _dali_or_skip(kind)
+    dali_or_skip(kind)
     from PIL import Image
     import io
     rng = np.random.default_rng(0)
@@ -117,7 +112,7 @@ def test_augmentation_varies_and_is_seeded(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", LOADERS)
 def test_eval_loader_in_order_partial_batch(data, kind):
-    _dali_or_skip(kind)
+    dali_or_skip(kind)
     L = build_eval_loader(_args(data["rec"], "rec", kind), log=None)
     assert len(L) == 5
     sizes, ids = [], []
@@ -131,7 +126,7 @@ def test_eval_loader_in_order_partial_batch(data, kind):
 @pytest.mark.parametrize("kind", LOADERS)
 def test_two_caption_records_padded(tmp_path, kind):
     """154 labels (the original data2rec) -> third caption repeats the second."""
-    _dali_or_skip(kind)
+    dali_or_skip(kind)
     caps = [(f"raw {i}", f"second {i}", None) for i in range(6)]
     toks = encode_captions_batch(caps)
     with RecordIOWriter(str(tmp_path / "two.rec"), str(tmp_path / "two.idx")) as w:

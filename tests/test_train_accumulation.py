@@ -4,18 +4,10 @@ import copy
 import pytest
 import torch
 
-from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
+from rwkv_clip import ClipLoss
 from rwkv_clip.train.accumulation import (MicroBatch, NonFiniteLossError, caption_generator,
                                           choose_captions, make_micro_batches, train_step)
-from train_util import TINY_CONFIG
-
-
-def _tiny_model(**overrides):
-    args = load_model_configs(TINY_CONFIG)
-    for k, v in overrides.items():
-        setattr(args, k, v)
-    torch.manual_seed(0)
-    return create_RWKV_Model(args)
+from train_util import tiny_model
 
 
 def _batch(n=8, size=16, seed=1):
@@ -51,7 +43,7 @@ def _max_param_diff(a, b):
 
 
 def test_exact_accumulation_matches_full_batch():
-    base = _tiny_model(dropout=0.0, drop_path_rate=0.0)
+    base = tiny_model(dropout=0.0, drop_path_rate=0.0)
     images, tokens = _batch()
     ref_model, ref_grads, ref = _one_step(base, images, tokens, 1)
     for k in (2, 4):
@@ -67,7 +59,7 @@ def test_exact_accumulation_matches_full_batch():
 
 
 def test_mean_mode_differs_and_averages_micro_losses():
-    base = _tiny_model(dropout=0.0, drop_path_rate=0.0)
+    base = tiny_model(dropout=0.0, drop_path_rate=0.0)
     images, tokens = _batch()
     _, ref_grads, _ = _one_step(base, images, tokens, 1)
     _, grads, result = _one_step(base, images, tokens, 2, mode="mean")
@@ -112,7 +104,7 @@ def test_captions_fixed_per_sample_not_per_split():
 def test_exact_mode_replays_dropout_masks():
     """With dropout and drop path on, the recompute pass must see the cached pass's masks:
     the K=2 loss reported equals the loss of the no-grad cached features."""
-    base = _tiny_model(dropout=0.2, drop_path_rate=0.2)
+    base = tiny_model(dropout=0.2, drop_path_rate=0.2)
     images, tokens = _batch()
     torch.manual_seed(7)
     _, _, r1 = _one_step(base, images, tokens, 2)
@@ -141,7 +133,7 @@ def test_exact_mode_replays_dropout_masks():
 
 
 def test_non_finite_loss_stops_before_update():
-    base = _tiny_model()
+    base = tiny_model()
     with torch.no_grad():
         base.logit_scale.fill_(float("nan"))
     images, tokens = _batch()
@@ -158,7 +150,7 @@ def test_non_finite_loss_stops_before_update():
 
 
 def test_logit_scale_clamped_after_step():
-    base = _tiny_model()
+    base = tiny_model()
     with torch.no_grad():
         base.logit_scale.fill_(9.0)  # exp(9) > 100
     images, tokens = _batch()

@@ -5,19 +5,11 @@ import math
 import pytest
 import torch
 
-from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
+from rwkv_clip import ClipLoss
 from rwkv_clip.train.accumulation import caption_generator, make_micro_batches, train_step
 from rwkv_clip.train.loop import autocast_factory, build_optimizer, make_scaler
 from rwkv_clip.train.args import parse_args
-from train_util import TINY_CONFIG
-
-
-def _model(**overrides):
-    args = load_model_configs(TINY_CONFIG)
-    for k, v in overrides.items():
-        setattr(args, k, v)
-    torch.manual_seed(0)
-    return create_RWKV_Model(args)
+from train_util import TINY_CONFIG, tiny_model
 
 
 def _micro_batches(n=6, k=1):
@@ -33,7 +25,7 @@ def _micro_batches(n=6, k=1):
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
 def test_each_precision_takes_a_step_on_cpu(precision):
     device = torch.device("cpu")
-    base = _model()
+    base = tiny_model()
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = make_scaler(precision, device)
@@ -60,7 +52,7 @@ def test_autocast_dtype_is_what_the_flag_says():
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
-    base = _model(dropout=0.0, drop_path_rate=0.0)
+    base = tiny_model(dropout=0.0, drop_path_rate=0.0)
     grads = []
     for cp in (False, True):
         model = copy.deepcopy(base)
@@ -76,7 +68,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 def test_weight_decay_exclusion_groups(tmp_path):
-    model = _model()
+    model = tiny_model()
     args = parse_args(["--config", TINY_CONFIG, "--exclude-decay", "True",
                        "--weight-decay", "0.3", "--output", str(tmp_path)])
     opt = build_optimizer(model, args)

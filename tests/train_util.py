@@ -14,6 +14,18 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220),
            "yellow": (230, 220, 30)}
 
 
+def tiny_model(**overrides):
+    """RWKV_CLIP_tiny built with seed 0, config fields overridden by keyword."""
+    import torch
+
+    from rwkv_clip import create_RWKV_Model, load_model_configs
+    args = load_model_configs(TINY_CONFIG)
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    torch.manual_seed(0)
+    return create_RWKV_Model(args)
+
+
 def make_tiny_rec(folder: str | os.PathLike, n: int = 48, seed: int = 0, size: int = 24) -> str:
     """Write ``n`` coloured-square images with three caption styles to a .rec; return
     its prefix."""
