@@ -209,6 +209,11 @@ def _cfg(args: Any, name: str, default=None):
     return getattr(args, name, default) if not isinstance(args, dict) else args.get(name, default)
 
 
+def _patch_grid(input_size: int, patch_size: int) -> int:
+    """Patches per side: the patch embedding pads a partial patch (ceil division)."""
+    return -(-input_size // patch_size)
+
+
 def parameter_table(args: Any) -> ParamTable:
     """Parameters of create_RWKV_Model(args), computed from the config."""
     t = ParamTable()
@@ -217,7 +222,7 @@ def parameter_table(args: Any) -> ParamTable:
     S = _cfg(args, "input_size")
     D = _cfg(args, "image_depth")
     F = _cfg(args, "image_hidden_rate") * C
-    grid = -(-S // p)
+    grid = _patch_grid(S, p)
     t.add("image.patch_embed", C * 3 * p * p + C)
     t.add("image.pos_embed", grid * grid * C)
     if _cfg(args, "image_with_cls_token", False):
@@ -364,7 +369,7 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
     S = _cfg(args, "input_size")
     D = _cfg(args, "image_depth")
     Fh = _cfg(args, "image_hidden_rate") * C
-    grid = -(-S // p)
+    grid = _patch_grid(S, p)
     T = grid * grid + (1 if _cfg(args, "image_with_cls_token", False) else 0)
     B = batch
     img = Sym(B * 3 * S * S, "fp32")                       # input: no grad, saved by conv
