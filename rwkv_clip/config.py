@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from .errors import ConfigError
 
 # Where the published and small configs live: the source checkout's model_config/,
 # shipped inside the wheel as the package rwkv_clip.model_config.
@@ -43,10 +44,6 @@ DEFAULTS: dict[str, Any] = {
 IMAGE_REQUIRED = ("input_size", "image_depth", "image_embed_dims", "image_patch_size",
                   "image_num_heads")
 TEXT_REQUIRED = ("n_layer", "n_embd")
-
-
-class ConfigError(ValueError):
-    """A model config that cannot build a model; the message names the field."""
 
 
 class ModelArgs(SimpleNamespace):

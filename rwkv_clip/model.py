@@ -19,10 +19,7 @@ from torch import nn
 from .config import complete_args
 from .image_rwkv import Image_RWKV
 from .text_rwkv import Text_RWKV
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into the model; the message says why."""
+from .errors import CheckpointError
 
 
 class get_model(nn.Module):  # noqa: N801 - the original's public name

@@ -27,29 +27,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
+from ..errors import DataError
 
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
 _LEN_MASK = (1 << 29) - 1
 IR_FORMAT = "<IfQQ"
 IR_SIZE = struct.calcsize(IR_FORMAT)  # 24
-
-
-class DataError(RuntimeError):
-    """A data file is missing, truncated, corrupt or has an unexpected layout.
-
-    The message always names the file and, where there is one, the record.
-    """
-
-    def __init__(self, message: str, path: str | None = None, record=None):
-        self.path = path
-        self.record = record
-        parts = [message]
-        if path is not None:
-            parts.append(f"file: {path}")
-        if record is not None:
-            parts.append(f"record: {record}")
-        super().__init__(" | ".join(parts))
 
 
 @dataclass

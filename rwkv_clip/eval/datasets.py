@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
+from ..errors import EvalError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 ORIGINAL_SEED = 3072  # the original zero_shot.py passes seed=3072 to every loader
@@ -42,10 +43,6 @@ ALIASES = {
     "stanford_cars": "stanford_car", "cars": "stanford_car", "imagenet1k": "imagenet",
     "sun": "sun397", "caltech": "caltech101",
 }
-
-
-class EvalError(RuntimeError):
-    """A user-facing evaluation problem (missing data, unreadable file, bad folder)."""
 
 
 class DatasetNotFoundError(EvalError):

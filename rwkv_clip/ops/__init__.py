@@ -17,13 +17,10 @@ import os
 import torch
 
 from .reference import wkv6_bidirectional_reference
+from ..errors import WKVError
 
 BACKEND_ENV_VAR = "RWKV_CLIP_WKV_BACKEND"
 BACKENDS = ("auto", "cuda", "cpu", "reference")
-
-
-class WKVError(RuntimeError):
-    """A WKV call that cannot run: bad shapes, unsupported sizes, missing compiler."""
 
 
 def resolve_backend(device: torch.device, backend: str | None = None) -> str:

@@ -28,12 +28,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from ..errors import RWKVCLIPError
 
 CAPTION_LEN = 77
 NUM_CAPTIONS = 3
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(RWKVCLIPError, FloatingPointError):
     """The loss became NaN or Inf; raised before the optimizer step."""
 
 
@@ -43,7 +44,6 @@ class NonFiniteLossError(FloatingPointError):
 class MicroBatch:
     images: torch.Tensor  # (m, 3, S, S) on the training device
     texts: torch.Tensor   # (m, ctx_len) chosen captions, int64, on the training device
-
 
 
 def caption_generator(seed: int, rank: int, epoch: int, index: int) -> torch.Generator:

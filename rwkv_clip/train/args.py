@@ -19,6 +19,7 @@ import sys
 from typing import Any, Sequence
 
 from ..config import ConfigError, ModelArgs, complete_args, parse_bool, read_config_json
+from ..errors import TrainArgsError
 
 DEFAULT_CONFIG = "RWKV_CLIP_small"
 
@@ -38,10 +39,6 @@ SHARED_KEYS = {"precision": "bf16", "dropout": 0.0, "workers": 10}
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 DATA_FORMATS = ("rec", "wds", "builtin")
-
-
-class TrainArgsError(ValueError):
-    """Inconsistent training options; the message names the flags."""
 
 
 def str2bool(value: Any) -> bool:

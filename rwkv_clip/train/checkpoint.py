@@ -23,13 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from ..errors import ResumeError
 
 LATEST = "epoch_latest.pt"
 FORMAT_VERSION = 1
-
-
-class ResumeError(RuntimeError):
-    """A checkpoint that cannot be resumed from; the message says why."""
 
 
 def checkpoint_dir(output: str | os.PathLike) -> Path:

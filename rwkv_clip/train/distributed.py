@@ -12,10 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-
-class DistributedError(RuntimeError):
-    """A launch environment or device choice that cannot work."""
+from ..errors import DistributedError
 
 
 @dataclass

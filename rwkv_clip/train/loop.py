@@ -41,10 +41,7 @@ from .distributed import (DistInfo, any_rank_true, barrier,
                           cleanup_distributed, init_distributed)
 from .logger import Board, SpeedLogger, close_logging, progress_bar, setup_logging
 from .schedule import build_scheduler, current_lr, step_scheduler
-
-
-class TrainingError(RuntimeError):
-    """Training stopped for a reason the user can act on; the message says what to do."""
+from ..errors import TrainingError
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -1,0 +1,113 @@
+"""One error type for everything a user can act on, and the one place that turns it into
+a command-line message.
+
+Every error meant for users derives from :class:`RWKVCLIPError`; its message names the
+culprit (file, flag, config key, record) and what was expected. Command-line tools wrap
+their ``main`` in :func:`run_cli`, which prints ``error: <message>`` on one line and exits
+with status 2. Anything else is a bug and keeps its traceback.
+
+The concrete classes also derive from the builtin a caller would naturally catch
+(``ValueError`` for bad values, ``RuntimeError`` for failures while running), so code
+written against those keeps working.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+EXIT_USER_ERROR = 2
+
+
+class RWKVCLIPError(Exception):
+    """Base class of every error meant for the user; the message says what to fix."""
+
+
+class ConfigError(RWKVCLIPError, ValueError):
+    """A model config that cannot build a model; the message names the key."""
+
+
+class CheckpointError(RWKVCLIPError, RuntimeError):
+    """A checkpoint that cannot be loaded into the model; the message says why."""
+
+
+class WKVError(RWKVCLIPError, RuntimeError):
+    """A WKV call that cannot run: bad shapes, unsupported sizes, missing compiler."""
+
+
+class KernelBuildError(WKVError):
+    """Building a native WKV kernel failed; the message ends with the compiler's last lines."""
+
+
+class DataError(RWKVCLIPError, RuntimeError):
+    """A data file is missing, truncated, corrupt or has an unexpected layout.
+
+    The message always names the file and, where there is one, the record.
+    """
+
+    def __init__(self, message: str, path: str | None = None, record=None):
+        self.path = path
+        self.record = record
+        parts = [message]
+        if path is not None:
+            parts.append(f"file: {path}")
+        if record is not None:
+            parts.append(f"record: {record}")
+        super().__init__(" | ".join(parts))
+
+
+class DistributedError(RWKVCLIPError, RuntimeError):
+    """A launch environment or device choice that cannot work."""
+
+
+class TrainArgsError(RWKVCLIPError, ValueError):
+    """Inconsistent training options; the message names the flags."""
+
+
+class TrainingError(RWKVCLIPError, RuntimeError):
+    """Training stopped for a reason the user can act on; the message says what to do."""
+
+
+class ResumeError(RWKVCLIPError, RuntimeError):
+    """A checkpoint that cannot be resumed from; the message says why."""
+
+
+class EvalError(RWKVCLIPError, RuntimeError):
+    """An evaluation problem the user can fix (missing data, unreadable file, bad folder)."""
+
+
+class PrecisionError(RWKVCLIPError, ValueError):
+    """An unknown precision name, or one the device cannot run."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of ``exc`` folded onto one line."""
+    parts = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return "; ".join(parts) or type(exc).__name__
+
+
+def report(exc: BaseException, prog: str | None = None) -> None:
+    """Print ``PROG: error: MESSAGE`` on stderr."""
+    prefix = f"{prog}: " if prog else ""
+    print(f"{prefix}error: {one_line(exc)}", file=sys.stderr, flush=True)
+
+
+def run_cli(main: Callable[[], int | None], prog: str | None = None) -> int:
+    """Run a command-line ``main``; user errors become one line and exit status 2.
+
+    Ctrl-C is reported the same way (one line, status 2) instead of a traceback; a tool
+    that can say more (such as how to resume) catches ``KeyboardInterrupt`` itself.
+    """
+    try:
+        return int(main() or 0)
+    except RWKVCLIPError as exc:
+        report(exc, prog)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"{prog + ': ' if prog else ''}error: interrupted (Ctrl-C)", file=sys.stderr,
+              flush=True)
+        return EXIT_USER_ERROR
+
+
+__all__ = ["RWKVCLIPError", "ConfigError", "CheckpointError", "WKVError", "KernelBuildError",
+           "DataError", "DistributedError", "TrainArgsError", "TrainingError", "ResumeError",
+           "EvalError", "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]
