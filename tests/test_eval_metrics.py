@@ -141,16 +141,3 @@ def test_result_record_schema_and_score_line():
         validate_record({**rec, "metrics": {"acc1": float("nan")}})
     with pytest.raises(ValueError):
         result_record("x", "m", "p", "linear_probe", {})
-
-
-def test_autocast_precisions():
-    from rwkv_clip.eval.common import autocast
-    dev = torch.device("cpu")
-    for p in ("fp32", "tf32"):
-        with autocast(dev, p):
-            assert not torch.is_autocast_enabled("cpu")
-    with autocast(dev, "bf16"):
-        assert torch.is_autocast_enabled("cpu")
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
-    with pytest.raises(ValueError):
-        autocast(dev, "int8")

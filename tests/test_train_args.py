@@ -115,8 +115,8 @@ def _run_train(argv, tmp_path):
 def test_missing_data_gives_a_clear_error(tmp_path):
     from train_util import tiny_argv
     out = _run_train(tiny_argv(tmp_path / "out", str(tmp_path / "nowhere")), tmp_path)
-    assert out.returncode == 1
-    assert "train.py: error: DataError" in out.stderr and "nowhere" in out.stderr
+    assert out.returncode == 2
+    assert "train.py: error: record file not found" in out.stderr and "nowhere" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -128,6 +128,6 @@ def test_corrupt_data_gives_a_clear_error(tmp_path):
     data = bytearray(rec.read_bytes())
     rec.write_bytes(bytes(data[: len(data) // 2]))  # truncated file
     out = _run_train(tiny_argv(tmp_path / "out", prefix), tmp_path)
-    assert out.returncode == 1
-    assert "DataError" in out.stderr and "tiny.rec" in out.stderr
+    assert out.returncode == 2
+    assert "train.py: error: " in out.stderr and "tiny.rec" in out.stderr
     assert "Traceback" not in out.stderr

@@ -7,7 +7,9 @@ import torch
 
 from rwkv_clip import ClipLoss
 from rwkv_clip.train.accumulation import caption_generator, make_micro_batches, train_step
-from rwkv_clip.train.loop import autocast_factory, build_optimizer, make_scaler
+from rwkv_clip.errors import PrecisionError
+from rwkv_clip.precision import canonical_precision, get_precision
+from rwkv_clip.train.loop import build_optimizer
 from rwkv_clip.train.args import parse_args
 from train_util import TINY_CONFIG, tiny_model
 
@@ -28,12 +30,13 @@ def test_each_precision_takes_a_step_on_cpu(precision):
     base = tiny_model()
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = make_scaler(precision, device)
+    prec = get_precision(precision, device)
+    scaler = prec.scaler()
     assert (scaler is not None) == (precision == "fp16")
     if scaler is not None:
         assert scaler.get_scale() == 128.0
         assert scaler.get_growth_interval() == 200
-    autocast = autocast_factory(precision, device)
+    autocast = prec.autocast_factory
     mbs = _micro_batches(k=2)
     result = train_step(model, mbs, ClipLoss(), opt, scaler=scaler, autocast=autocast)
     assert math.isfinite(result.loss) and result.loss > 0
@@ -47,8 +50,15 @@ def test_autocast_dtype_is_what_the_flag_says():
     x = torch.randn(4, 4)
     for precision, dtype in (("fp32", torch.float32), ("tf32", torch.float32),
                              ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        with autocast_factory(precision, device)():
+        with get_precision(precision, device).autocast():
             assert (x @ x).dtype == dtype, precision
+
+
+def test_precision_names_and_aliases():
+    assert [canonical_precision(n) for n in ("amp", "amp_bf16", "float32", "16", "BF16")] == [
+        "fp16", "bf16", "fp32", "fp16", "bf16"]
+    with pytest.raises(PrecisionError, match="precision 'int8': expected one of fp32, tf32"):
+        canonical_precision("int8")
 
 
 def test_activation_checkpointing_gives_the_same_gradients():

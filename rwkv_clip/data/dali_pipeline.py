@@ -52,6 +52,8 @@ import tempfile
 
 import torch
 
+from ..distributed import DistInfo, launch_environment
+from ..errors import DistributedError
 from .recordio import DataError, RecordIOReader, check_rec, rec_paths, unpack, write_index
 from .tokens import CONTEXT_LENGTH, NUM_LABELS
 
@@ -70,18 +72,19 @@ def dali_available() -> bool:
         return False
 
 
-def dist_info(args=None) -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from args, else torchrun env, else (0, 0, 1)."""
-    env = os.environ
+def dist_info(args=None) -> DistInfo:
+    """This process's data shard: ``args.rank`` / ``local_rank`` / ``world_size`` where
+    given, else the launch environment (torchrun or SLURM), else rank 0 of 1."""
+    _, env_rank, env_local, env_world = launch_environment()
     rank = getattr(args, "rank", None)
     world = getattr(args, "world_size", None)
     local = getattr(args, "local_rank", None)
-    rank = int(env.get("RANK", 0)) if rank is None else int(rank)
-    world = int(env.get("WORLD_SIZE", 1)) if world is None else int(world)
-    local = int(env.get("LOCAL_RANK", 0)) if local is None else int(local)
+    rank = env_rank if rank is None else int(rank)
+    world = env_world if world is None else int(world)
+    local = env_local if local is None else int(local)
     if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside world size {world}")
-    return rank, local, world
+        raise DistributedError(f"rank {rank} outside world size {world}")
+    return DistInfo(rank=rank, local_rank=local, world_size=world)
 
 
 def _want_cpu(args) -> bool:
@@ -319,7 +322,8 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
 
 def dali_dataloader(args, train: bool = True):
     """The original's entry point: build from an argparse-like namespace."""
-    rank, local, world = dist_info(args)
+    shard = dist_info(args)
+    rank, local, world = shard.rank, shard.local_rank, shard.world_size
     return build_dali_loader(
         args.train_data, batch_size=args.batch_size, input_size=args.input_size,
         workers=getattr(args, "workers", 4), data_format=getattr(args, "data_format", "rec"),

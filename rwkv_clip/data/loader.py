@@ -76,7 +76,8 @@ def _choose(args) -> tuple[str, bool]:
 def _build(args, train: bool, data=None, fmt=None, log=print):
     if data is None:
         data, fmt = _resolve_data(args)
-    rank, local, world = dist_info(args)
+    shard = dist_info(args)
+    rank, local, world = shard.rank, shard.local_rank, shard.world_size
     backend, cpu_mode = _choose(args)
     bs = int(_get(args, "batch_size", 64))
     size = int(_get(args, "input_size", 224))

@@ -2,28 +2,20 @@
 readable errors, batched text encoding."""
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from ..precision import get_precision
 from .datasets import ImageReadError
 from .distributed import DistInfo, current, fail_together, gather_rows, shard_range
 
-# tf32 (the original's fourth choice) runs without autocast, like fp32
-PRECISIONS = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast(device: torch.device, precision: str):
-    """Autocast context for ``precision`` (fp32: none)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+def autocast(device: torch.device, precision: str) -> AbstractContextManager:
+    """Autocast context for ``precision`` on ``device`` (fp32 and tf32: none)."""
+    return get_precision(precision, device).autocast()
 
 
 class _Guarded(Dataset):

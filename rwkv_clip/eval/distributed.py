@@ -3,50 +3,18 @@
 Each rank evaluates one contiguous shard of the samples (the original's split: the first
 ``n % world`` ranks take one extra sample); results are gathered to every rank as CPU
 tensors and put back in sample order, so the metrics equal a single-process run.
-Nothing here starts a process group by itself except :func:`init_from_env`, which the
-CLI calls.
+Nothing here starts a process group (the CLI does, with
+:func:`rwkv_clip.distributed.init_distributed`).
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..distributed import DistInfo, current
 from .datasets import EvalError
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def current() -> DistInfo:
-    """Rank/world of the running process group (single process when none)."""
-    if dist.is_available() and dist.is_initialized():
-        return DistInfo(dist.get_rank(), dist.get_world_size(),
-                        int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    return DistInfo()
-
-
-def init_from_env(device_type: str) -> DistInfo:
-    """Start the process group when launched by torchrun (WORLD_SIZE > 1): NCCL for CUDA
-    devices, gloo otherwise. A single process starts nothing."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or not dist.is_available():
-        return current()
-    if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
-    return current()
 
 
 def shard_range(n: int, rank: int, world_size: int) -> range:
@@ -69,12 +37,6 @@ def gather_rows(indices: torch.Tensor, *tensors: torch.Tensor, info: DistInfo | 
         payload = [torch.cat(list(p), dim=0) for p in parts]
     order = torch.argsort(payload[0])
     return tuple(t[order] for t in payload[1:])
-
-
-def barrier(info: DistInfo | None = None) -> None:
-    info = info or current()
-    if info.world_size > 1:
-        dist.barrier()
 
 
 class PeerRankError(EvalError):

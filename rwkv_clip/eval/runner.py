@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
+from ..distributed import DistInfo, cleanup_distributed, init_distributed
+from ..precision import get_precision
 from ..config import (ConfigError, available_configs, load_model_configs, model_args_from_dict,
                       read_config_json)
 from .datasets import EvalError, PAPER_DATASETS, build_classification_set, canonical_name
-from .distributed import DistInfo, init_from_env
 from .results import append_score_line, result_record, summary, write_result
 from .retrieval import RETRIEVAL_ALIASES, build_retrieval_set, evaluate_retrieval
 from .zeroshot import evaluate_classification
@@ -160,40 +161,21 @@ def output_paths(opts) -> tuple[Path, Path]:
     return json_dir, score
 
 
-def resolve_device(opts, info: DistInfo) -> torch.device:
-    name = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise EvalError("--device cuda requested but no CUDA device is available")
-        if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    return device
-
-
 # ------------------------------------------------------------------ main entry
 def run(opts) -> list[dict]:
     """Evaluate every requested set; returns the result records (on every rank)."""
-    device_type = torch.device(opts.device).type if opts.device else (
-        "cuda" if torch.cuda.is_available() else "cpu")
-    info = init_from_env(device_type)
+    info = init_distributed(opts.device or "auto")
     try:
         return _run(opts, info)
     finally:
-        import torch.distributed as dist
-        if info.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        cleanup_distributed(info, synchronize=False)
 
 
 def _run(opts, info: DistInfo) -> list[dict]:
     from ..transform import image_transform
 
-    device = resolve_device(opts, info)
-    if opts.precision == "tf32":  # the original's fourth choice: fp32 with TF32 matmuls
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        opts.precision = "fp32"
+    device = info.device
+    get_precision(opts.precision, device)  # validates the name; tf32 switches TF32 on
     plan = dataset_plan(opts)
     json_dir, score_file = output_paths(opts)
     model, args, model_name, pretrained = build_model(opts, device, info)

@@ -15,7 +15,6 @@ Order of events (every rank unless noted):
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import os
@@ -37,11 +36,12 @@ from . import checkpoint as ckpt_io
 from .accumulation import (NonFiniteLossError, caption_generator, make_micro_batches,
                            train_step)
 from .args import warn_ignored
-from .distributed import (DistInfo, any_rank_true, barrier,
-                          cleanup_distributed, init_distributed)
+from ..distributed import (DistInfo, any_rank_true, barrier, cleanup_distributed,
+                           init_distributed)
+from ..precision import get_precision
 from .logger import Board, SpeedLogger, close_logging, progress_bar, setup_logging
 from .schedule import build_scheduler, current_lr, step_scheduler
-from ..errors import TrainingError
+from ..errors import TrainingError, run_cli
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -50,22 +50,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def autocast_factory(precision: str, device: torch.device):
-    """bf16 / fp16: autocast to that dtype; fp32 / tf32: no autocast."""
-    if precision == "bf16":
-        return functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
-    if precision == "fp16":
-        return functools.partial(torch.autocast, device_type=device.type, dtype=torch.float16)
-    return contextlib.nullcontext
-
-
-def make_scaler(precision: str, device: torch.device):
-    """fp16 only: GradScaler(init 128, growth interval 200), as the original."""
-    if precision != "fp16":
-        return None
-    return torch.amp.GradScaler(device.type, init_scale=128, growth_interval=200)
 
 
 def is_no_decay(name: str, param: torch.Tensor) -> bool:
@@ -188,9 +172,6 @@ def configure_run(args, info: DistInfo, log) -> None:
     log.info(f"rank {info.rank}/{info.world_size} on {info.device} "
              f"(backend {info.backend or 'none'}); model settings from {args.config_source}")
     warn_ignored(args, log.info)
-    if args.precision == "tf32" and info.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
 
 
 def build_model(args, info: DistInfo, log) -> torch.nn.Module:
@@ -299,8 +280,9 @@ class Trainer:
         self.optimizer = build_optimizer(model, args)
         self.scheduler = build_scheduler(self.optimizer, args.lr_scheduler, data.total_steps,
                                          args.warmup)
-        self.scaler = make_scaler(args.precision, self.device)
-        self.autocast = autocast_factory(args.precision, self.device)
+        precision = get_precision(args.precision, self.device)
+        self.scaler = precision.scaler()
+        self.autocast = precision.autocast_factory
         self.state = RunState()
         self.rng_to_restore = None  # this rank's RNG states from a checkpoint, if any
 
@@ -552,19 +534,8 @@ def _gather_rng(info: DistInfo) -> list:
 
 
 def cli(argv=None) -> int:
-    """``train.py``: parse, train, and turn known failures into one clear message."""
-    from ..config import ConfigError
-    from ..data import DataError
-    from ..model import CheckpointError
+    """``train.py``: parse, train; a user error is one line ``train.py: error: ...`` and
+    exit status 2 (argparse's own errors exit 2 as well)."""
     from .args import parse_args
-    from .checkpoint import ResumeError
-    from .distributed import DistributedError
 
-    args = parse_args(argv)
-    try:
-        main(args)
-    except (TrainingError, DataError, CheckpointError, ResumeError, ConfigError,
-            DistributedError) as exc:
-        print(f"train.py: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(lambda: main(parse_args(argv)), prog="train.py")
