@@ -79,7 +79,7 @@ def test_bare_boolean_flag_means_true():
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--horovod"], "horovod is not supported"),
     (["--data-format", "rec"], "needs --train-data"),
-    (["--n-embd", "128"], "must equal n_embd"),
+    (["--n-embd", "256"], "must equal n_embd"),
     (["--config", "no_such_config.json"], "not found"),
     (["--lock-image", "--lock-text"], "unlock one tower"),
     (["--resume", "latest", "--pretrained", "x.pt"], "exclude each other"),
