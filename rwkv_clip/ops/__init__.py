@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from .reference import wkv6_bidirectional_reference
 from ..errors import WKVError
+from .reference import wkv6_bidirectional_reference
 
 BACKEND_ENV_VAR = "RWKV_CLIP_WKV_BACKEND"
 BACKENDS = ("auto", "cuda", "cpu", "reference")
