@@ -166,6 +166,8 @@ def test_backend_argument_and_env(monkeypatch):
     y = wkv6_bidirectional(*inputs)
     assert y.dtype == torch.float64  # only the reference keeps float64
     monkeypatch.setenv(BACKEND_ENV_VAR, "bogus")
+    from rwkv_clip.ops import reset_backend_override
+    reset_backend_override()
     with pytest.raises(WKVError, match="bogus"):
         wkv6_bidirectional(*inputs)
     # the argument wins over the environment
@@ -611,3 +613,114 @@ def test_build_cli_failure_is_one_error_line_and_exit_2(tmp_path):
     assert len(errors) == 1 and errors[0].startswith("python -m rwkv_clip.ops: error: ")
     assert "building the WKV kernel for CPU" in errors[0]
     assert "Traceback" not in res.stderr
+
+
+# ------------------------------------------------------- the op as a PyTorch operator
+@pytest.fixture(autouse=True)
+def _fresh_backend_override():
+    """The backend override is read once per process; every test starts from the env."""
+    from rwkv_clip.ops import reset_backend_override
+    reset_backend_override()
+    yield
+    reset_backend_override()
+
+
+def _op_inputs(B, T, H, N, dtypes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = H * N
+    xs = [torch.randn(B, T, C, generator=g), torch.randn(B, T, C, generator=g) * 0.5,
+          torch.randn(B, T, C, generator=g), torch.randn(B, T, C, generator=g) * 0.7 - 1.5,
+          torch.randn(H, N, generator=g) * 0.5]
+    return [x.to(dt) for x, dt in zip(xs, dtypes, strict=True)]
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+OP_CASES = [((2, 5, 2, 8), (F32,) * 5), ((1, 1, 1, 64), (F32,) * 5), ((2, 7, 1, 80), (F32,) * 5),
+            ((2, 4, 2, 12), (BF16, BF16, BF16, F32, BF16)), ((1, 3, 1, 32), (F16,) * 5)]
+
+
+@cpu_kernel
+@pytest.mark.parametrize("shape,dtypes", OP_CASES)
+def test_opcheck_cpu(shape, dtypes):
+    xs = [x.requires_grad_() for x in _op_inputs(*shape, dtypes)]
+    torch.library.opcheck(torch.ops.rwkv_clip.wkv6_forward.default, tuple(xs))
+    gy = torch.randn(shape[0], shape[1], shape[2] * shape[3])
+    torch.library.opcheck(torch.ops.rwkv_clip.wkv6_backward.default,
+                          tuple(x.detach() for x in xs) + (gy,))
+
+
+@pytest.mark.parametrize("dtypes", [(F32,) * 5, (BF16, BF16, BF16, F32, BF16), (F16,) * 5])
+def test_fake_tensors_give_shapes_and_dtypes_without_a_kernel(dtypes, monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def no_build(*a, **k):
+        raise AssertionError("fake / meta tensors must not build or run a kernel")
+
+    monkeypatch.setattr(build, "get_cpu_kernel", no_build)
+    monkeypatch.setattr(build, "get_cuda_kernel", no_build)
+    B, T, H, N = 3, 9, 2, 16
+    with FakeTensorMode():
+        xs = [x.requires_grad_() for x in _op_inputs(B, T, H, N, dtypes)]
+        y = wkv6_bidirectional(*xs)
+        assert y.shape == (B, T, H * N) and y.dtype == torch.float32
+        grads = torch.autograd.grad(y.sum(), xs)
+        for g, x in zip(grads, xs, strict=True):
+            assert g.shape == x.shape and g.dtype == x.dtype
+    with torch.device("meta"):  # what the memory planner uses
+        xs = _op_inputs(B, T, H, N, dtypes)
+    y = wkv6_bidirectional(*xs)
+    assert y.device.type == "meta" and y.shape == (B, T, H * N) and y.dtype == torch.float32
+    gs = torch.ops.rwkv_clip.wkv6_backward(*xs, torch.empty(B, T, H * N, device="meta"))
+    assert [(g.shape, g.dtype) for g in gs] == [(x.shape, x.dtype) for x in xs]
+
+
+@cpu_kernel
+def test_backend_override_is_read_once(monkeypatch):
+    from rwkv_clip.ops import reset_backend_override
+    inputs = make_inputs(1, 3, 1, 4, dtype=torch.float64, requires_grad=False)
+    monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
+    assert wkv6_bidirectional(*inputs).dtype == torch.float64   # the reference keeps float64
+    monkeypatch.setenv(BACKEND_ENV_VAR, "cpu")
+    assert wkv6_bidirectional(*inputs).dtype == torch.float64   # not looked up again
+    reset_backend_override()
+    assert wkv6_bidirectional(*inputs).dtype == torch.float32   # the native kernel
+
+
+def _model_step(model, image, text):
+    model.zero_grad(set_to_none=True)
+    image_features, text_features, logit_scale = model(image, text)
+    from rwkv_clip import ClipLoss
+    loss = ClipLoss()(torch.nn.functional.normalize(image_features, dim=-1),
+                      torch.nn.functional.normalize(text_features, dim=-1), logit_scale)
+    loss.backward()
+    grads = {name.removeprefix("_orig_mod."): p.grad.detach().clone()
+             for name, p in model.named_parameters() if p.grad is not None}
+    return image_features.detach(), text_features.detach(), loss.detach(), grads
+
+
+@pytest.mark.slow
+@cpu_kernel
+def test_compiled_model_matches_eager_with_no_graph_break():
+    """torch.compile(model, fullgraph=True) with inductor on CPU: forward and backward of
+    the tiny config equal to eager (fp32) within 1e-5; fullgraph makes any break an error."""
+    import sys
+    from pathlib import Path
+
+    import torch._dynamo
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_util import tiny_model
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    image = torch.randn(4, 3, 16, 16, generator=g)
+    text = torch.randint(1, 1000, (4, 77), generator=g)
+    text[:, 12:] = 0
+    eager = _model_step(model, image, text)
+    torch._dynamo.reset()
+    compiled_model = torch.compile(model, fullgraph=True, backend="inductor")
+    compiled = _model_step(compiled_model, image, text)
+    assert torch._dynamo.utils.counters["graph_break"] == {}
+    for name, a, b in zip(("image", "text", "loss"), compiled[:3], eager[:3], strict=True):
+        assert_close(a, b, 1e-5, name)
+    assert compiled[3].keys() == eager[3].keys() and len(eager[3]) > 10
+    for name, grad in eager[3].items():
+        assert_close(compiled[3][name], grad, 1e-5, f"grad {name}")

@@ -264,8 +264,29 @@ def check_cuda_head_size(N: int) -> None:
                      f"(expected a multiple of 4 between 4 and {CUDA_MAX_HEAD_SIZE})")
 
 
+_env_overrides: dict[str, str | None] = {}
+
+
+def env_override(name: str) -> str | None:
+    """``os.environ[name]`` (None when unset or empty), read once per process and cached.
+
+    The WKV op runs thousands of times per step and inside ``torch.compile``d graphs; an
+    environment lookup per call costs time and, under tracing, a guard or a graph break.
+    Tests that change the variable call :func:`reset_env_overrides`."""
+    try:
+        return _env_overrides[name]
+    except KeyError:
+        value = _env_overrides[name] = os.environ.get(name) or None
+        return value
+
+
+def reset_env_overrides() -> None:
+    """Forget the cached environment overrides (read again on the next call)."""
+    _env_overrides.clear()
+
+
 def resolve_cuda_variant(variant: str | None = None) -> str:
-    choice = variant or os.environ.get(CUDA_VARIANT_ENV_VAR) or DEFAULT_CUDA_VARIANT
+    choice = variant or env_override(CUDA_VARIANT_ENV_VAR) or DEFAULT_CUDA_VARIANT
     if choice not in CUDA_VARIANTS:
         raise _error(f"rwkv_clip: unknown CUDA WKV variant {choice!r}; expected one of "
                      f"{CUDA_VARIANTS}")
