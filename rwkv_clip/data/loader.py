@@ -91,8 +91,7 @@ def _build(args, train: bool, data=None, fmt=None, log=print):
     seed = int(_get(args, "seed", 0))
     skip = bool(_get(args, "skip_corrupt", False))
     tokens_path = _get(args, "caption_tokens", None)
-    tokens = CaptionTokens(tokens_path) if tokens_path else None
-    if fmt == "parquet" or tokens is not None:
+    if fmt == "parquet" or tokens_path:
         # DALI reads neither parquet nor a separate token array: the torch DataLoader does
         if _get(args, "loader", "auto") == "dali":
             what = "parquet" if fmt == "parquet" else "--caption-tokens"
@@ -100,6 +99,7 @@ def _build(args, train: bool, data=None, fmt=None, log=print):
         backend, cpu_mode = "torch", True
     else:
         backend, cpu_mode = _choose(args)
+    tokens = CaptionTokens(tokens_path) if tokens_path else None
     if fmt == "parquet":
         from .parquet import build_parquet_loader
         return build_parquet_loader(

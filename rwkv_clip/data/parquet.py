@@ -598,15 +598,19 @@ def build_parquet_loader(data, *, batch_size: int, input_size: int, workers: int
 def iter_parquet_samples(spec, image_column: str | None = None, caption_columns=None):
     """Rows of parquet shards as writer samples (for ``make_rec.py``), in file order:
     ``{"name", "image_bytes", "raw", "synthetic", "generated"}`` or ``{"name", "image_bytes",
-    "tokens"}`` for a token column; bad rows and filtered ones as ``{"name", "error"}``."""
-    _, pq = _pa()
-    files = list_shards(spec, ext=".parquet")
-    index = index_parquet(files, image_column, caption_columns, skip_corrupt=True)
+    "tokens"}`` for a token column; bad rows and filtered ones as ``{"name", "error"}``.
+
+    The shards are indexed here, before the first sample is asked for, so a wrong column
+    name fails before any output is written."""
+    index = index_parquet(spec, image_column, caption_columns, skip_corrupt=True)
+    return _parquet_samples(index)
+
+
+def _parquet_samples(index: ParquetIndex):
     for path, _, reason in index.bad:
         yield {"name": os.path.basename(path), "error": reason}
-    if index.filtered:
-        for _ in range(index.filtered):
-            yield {"name": None, "error": "img2dataset status is not success"}
+    for _ in range(index.filtered):
+        yield {"name": None, "error": "img2dataset status is not 'success'"}
     rows = ParquetRows(index, cache_rows=1)
     for u, unit in enumerate(index.units):
         for j in range(len(unit.rows)):

@@ -24,6 +24,18 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 TOK_EXT = "tok"
 
 
+def _split_commas(s: str) -> list[str]:
+    """Split a comma-separated list, leaving commas inside brace lists (``{a,b}``)."""
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        depth += (c == "{") - (c == "}")
+        if c == "," and depth == 0:
+            out.append(s[start:i])
+            start = i + 1
+    out.append(s[start:])
+    return out
+
+
 def list_shards(spec, ext: str = ".tar") -> list[str]:
     """Shard list from a folder (its ``*ext`` files), a glob, a brace pattern
     (``a-{000000..000009}.tar``), a ``::``/comma separated list, or a Python list.
@@ -37,7 +49,7 @@ def list_shards(spec, ext: str = ".tar") -> list[str]:
             if not items:
                 raise DataError(f"no {ext} shards in folder", s)
             return items
-        parts = [p for chunk in s.split("::") for p in chunk.split(",") if p]
+        parts = [p for chunk in s.split("::") for p in _split_commas(chunk) if p]
         items = []
         for p in parts:
             if "{" in p:
