@@ -1,16 +1,25 @@
 """Parquet shards (img2dataset's parquet and the Hub's YFCC15M layout), caption-token
 arrays and make_rec.py's parquet input, on small parquet files written here."""
 
+import json
 import os
 import subprocess
 import sys
 from types import SimpleNamespace as NS
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
-
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
+import torch
+from test_data_common import (
+    caption,
+    check_batch_pairs,
+    make_samples,
+    make_samples_captions,
+    solid_image,
+    token_map,
+)
 
 from rwkv_clip.data import DataError, RecordIOReader, build_eval_loader, build_train_loader
 from rwkv_clip.data.parquet import index_parquet
@@ -19,9 +28,6 @@ from rwkv_clip.data.wds import check_wds
 from rwkv_clip.data.writers import convert, write_rec, write_wds
 from rwkv_clip.errors import TrainArgsError
 from rwkv_clip.train.args import parse_args
-
-from test_data_common import (caption, check_batch_pairs, make_samples,
-                              make_samples_captions, solid_image, token_map)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 13
@@ -121,7 +127,8 @@ def test_ranks_disjoint_and_complete(i2d, tmap, world):
     for r in range(world):
         L = build_train_loader(args(i2d, rank=r, world_size=world), log=None)
         shares.append(epoch_ids(L, tmap))
-        assert len(L) == -(-(-(-len(GOOD) // world)) // 4)  # same batch count on all ranks
+        per_rank = -(-len(GOOD) // world)
+        assert len(L) == -(-per_rank // 4)  # the same batch count on every rank
     own = [set(s) for s in shares]
     for a in range(world):
         for b in range(a + 1, world):
@@ -376,3 +383,25 @@ def test_make_rec_cli_parquet_tokens_and_errors(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.startswith("make_rec.py: error: no image column 'jpg'")
     assert "columns: images, texts" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- bench_data
+
+def test_bench_data_prints_json(tmp_path):
+    (tmp_path / "train.json").write_text(json.dumps({"samples_per_s": 0.5, "config": "x"}))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_data.py"), "--workers", "0",
+         "--loaders", "torch,parquet,dali_gpu", "--samples", "12", "--image-size", "64x48",
+         "--input-size", "32", "--batch-size", "4", "--batches", "4",
+         "--data-dir", str(tmp_path), "--train-json", str(tmp_path / "train.json")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert out["train_samples_per_s"] == 0.5 and out["input_size"] == 32
+    for name in ("torch", "parquet"):
+        r = out["loaders"][name]["0"]
+        assert r["batches"] == 4 and r["images_per_s"] > 0.5 and r["keeps_up"] is True
+    if not torch.cuda.is_available():
+        assert "skipped" in out["loaders"]["dali_gpu"]
