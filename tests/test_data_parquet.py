@@ -20,6 +20,7 @@ from test_data_common import (
     solid_image,
     token_map,
 )
+from train_util import make_tiny_rec, tiny_argv
 
 from rwkv_clip.data import DataError, RecordIOReader, build_eval_loader, build_train_loader
 from rwkv_clip.data.parquet import index_parquet
@@ -405,3 +406,38 @@ def test_bench_data_prints_json(tmp_path):
         assert r["batches"] == 4 and r["images_per_s"] > 0.5 and r["keeps_up"] is True
     if not torch.cuda.is_available():
         assert "skipped" in out["loaders"]["dali_gpu"]
+
+
+# ----------------------------------------------------------------------------- training
+
+@pytest.fixture(scope="module")
+def tiny_parquet(tmp_path_factory):
+    """train_util's tiny coloured squares as img2dataset parquet (two shards)."""
+    d = tmp_path_factory.mktemp("tinypq")
+    rec = make_tiny_rec(d, n=24)
+    rows = [(img, labels) for _, _, labels, img in RecordIOReader(rec)]
+    from rwkv_clip.data.tokens import decode_tokens
+    caps = [decode_tokens(labels) for _, labels in rows]
+    for f in range(2):
+        part = range(12 * f, 12 * f + 12)
+        pq.write_table(pa.table({"jpg": [rows[i][0] for i in part],
+                                 "caption": [caps[i][0] for i in part],
+                                 "status": ["success"] * 12}),
+                       d / f"{f:05d}.parquet", row_group_size=5)
+    return str(d / "*.parquet")
+
+
+@pytest.mark.slow
+def test_train_on_parquet_and_resume_exactly(tmp_path, tiny_parquet):
+    from rwkv_clip.train import main
+    extra = ["--epochs", "2", "--batch-size", "4", "--save-every-steps", "2", "--seed", "3",
+             "--dropout", "0.1"]
+    full = main(parse_args(tiny_argv(tmp_path / "full", tiny_parquet, *extra)))
+    assert full["steps"] == 2 * 24 // 4 and full["epochs"] == 2
+    ckpt = tmp_path / "full" / "checkpoints" / "step_8.pt"  # mid-epoch 1
+    resumed = main(parse_args(tiny_argv(tmp_path / "resumed", tiny_parquet, *extra,
+                                        "--resume", str(ckpt))))
+    a, b = full["model"].state_dict(), resumed["model"].state_dict()
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) < 1e-6
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert max((a[k].double() - state[k].double()).abs().max().item() for k in a) > 1e-4
