@@ -441,3 +441,24 @@ def test_train_on_parquet_and_resume_exactly(tmp_path, tiny_parquet):
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) < 1e-6
     state = torch.load(ckpt, weights_only=True)["state_dict"]
     assert max((a[k].double() - state[k].double()).abs().max().item() for k in a) > 1e-4
+
+
+def test_caption_token_rows_stay_aligned_when_a_shard_is_dropped(i2d, tmp_path):
+    t = img2dataset_table([20, 21], failed=()).drop(["syn"])  # schema differs: dropped
+    pq.write_table(t, tmp_path / "changed.parquet")
+    spec = "::".join([str(i2d / "00000.parquet"), str(tmp_path / "changed.parquet"),
+                      str(i2d / "00001.parquet")])
+    rows = encode_captions_batch([(f"row {i}", None, None) for i in range(12)])
+    np.save(tmp_path / "t.npy", rows)
+    L = build_eval_loader(args(spec, batch_size=16, skip_corrupt=True,
+                               caption_tokens=str(tmp_path / "t.npy")), data=spec,
+                          data_format="parquet", log=None)
+    _, tokens = next(iter(L))
+    # file 0 holds rows 0-4 (3 failed), the dropped file rows 5-6, file 1 rows 7-11 (8 failed)
+    want = [0, 1, 2, 4] + [7 + k for k in range(5) if 5 + k != 8]
+    assert np.array_equal(tokens.numpy(), rows[want])
+    (tmp_path / "junk.parquet").write_bytes(b"junk")
+    spec = "::".join([str(i2d / "00000.parquet"), str(tmp_path / "junk.parquet")])
+    with pytest.raises(DataError, match="row count is unknown.*junk.parquet"):
+        build_train_loader(args(spec, skip_corrupt=True,
+                                caption_tokens=str(tmp_path / "t.npy")), log=None)

@@ -177,6 +177,7 @@ class ParquetIndex:
     filtered: int = 0           # rows with status != "success"
     bad: list = field(default_factory=list)     # [(file, None, reason)] files dropped
     bad_rows: int = 0           # rows in dropped files
+    rows_unknown: str | None = None  # a dropped file whose rows could not be counted
 
     @property
     def usable(self) -> int:
@@ -223,9 +224,12 @@ def index_parquet(spec, image_column: str | None = None, caption_columns=None,
                 raise
             out.bad.append((path, None, str(e).split(" | ")[0]))
             try:
-                out.bad_rows += pq.ParquetFile(path).metadata.num_rows
+                n = pq.ParquetFile(path).metadata.num_rows
             except Exception:  # unreadable: its rows cannot be counted
-                pass
+                out.rows_unknown = path
+            else:
+                out.bad_rows += n
+                global_row += n  # later files keep their row ids (caption-token rows)
             continue
         row = 0
         for g in range(md.num_row_groups):
@@ -533,11 +537,11 @@ class ParquetLoader:
                  skip_corrupt: bool = False, caption_tokens=None, log=None,
                  shuffle_rows: int = DEFAULT_SHUFFLE_ROWS):
         if caption_tokens is not None:
+            if index.rows_unknown:
+                raise DataError("cannot line up caption-token rows with the parquet rows: "
+                                "a dropped file's row count is unknown", index.rows_unknown)
             caption_tokens.check(index.num_rows + index.bad_rows,
                                  f"the parquet files ({len(index.files)})")
-            if index.bad_rows and index.bad:
-                raise DataError("cannot line up caption-token rows with the parquet rows: "
-                                "a dropped file's row count is unknown", index.bad[0][0])
         self.dataset = ParquetBatches(index, batch_size, input_size, train, seed, rank,
                                       world_size, skip_corrupt, caption_tokens, shuffle_rows)
         self.index = index
