@@ -38,7 +38,7 @@ SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "work
 NOT_MODEL_KEYS = ("workers", "data_type")
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
-DATA_FORMATS = ("rec", "wds", "builtin")
+DATA_FORMATS = ("rec", "wds", "parquet", "builtin")
 
 
 def str2bool(value: Any) -> bool:
@@ -161,8 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("new in this implementation")
     g.add_argument("--data-format", choices=DATA_FORMATS, default=None,
-                   help="default: builtin without --train-data, else wds for .tar shards, "
-                        "else rec")
+                   help="default: builtin without --train-data, else parquet for .parquet "
+                        "files, wds for .tar shards, else rec")
+    g.add_argument("--image-column", default=None,
+                   help="parquet image column (default: jpg, images, image or img)")
+    g.add_argument("--caption-columns", default=None, metavar="RAW[,SYN[,GEN]]",
+                   help="parquet caption columns as raw,synthetic,generated (default: "
+                        "caption, texts or text)")
+    g.add_argument("--caption-tokens", default=None, metavar="FILE.npy",
+                   help="token array (N, 77 x k), row i = record/sample i, replacing the first "
+                        "k caption variants")
     g.add_argument("--loader", choices=("auto", "dali", "torch"), default="auto",
                    help="data pipeline (auto: DALI if installed, else PyTorch)")
     _bool_flag(g, "--skip-corrupt", False, "skip unreadable records (counted) instead of "
@@ -257,6 +265,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.data_format is None:
         if args.train_data is None:
             args.data_format = "builtin"
+        elif ".parquet" in args.train_data:
+            args.data_format = "parquet"
         elif ".tar" in args.train_data or "{" in args.train_data:
             args.data_format = "wds"
         else:
