@@ -15,7 +15,6 @@ and collected in ``args.model_config``.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Sequence
 
 from ..config import ConfigError, ModelArgs, complete_args, parse_bool, read_config_json
@@ -287,7 +286,3 @@ def warn_ignored(args: argparse.Namespace, log=print) -> None:
                         ("--drop-path", args.drop_path)):
         if value is not None:
             log(f"note: {flag} is accepted for compatibility and ignored, as in the original")
-
-
-if __name__ == "__main__":  # pragma: no cover - debugging aid
-    print(parse_args(sys.argv[1:]))
