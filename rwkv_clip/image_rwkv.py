@@ -7,22 +7,28 @@ random numbers as the original.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
 from .layers import DropPath, PatchEmbed, q_shift_multihead, resize_pos_embed
-from .layers.time_mix import (TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM, TimeMixBase,
-                              fancy_bonus_init, fancy_decay_init, fancy_time_mix_init)
+from .layers.time_mix import (
+    TIME_DECAY_EXTRA_DIM,
+    TIME_MIX_EXTRA_DIM,
+    TimeMixBase,
+    fancy_bonus_init,
+    fancy_decay_init,
+    fancy_time_mix_init,
+)
 
 
 class VRWKV_SpatialMix_V6(TimeMixBase):
     def __init__(self, n_embd: int, n_head: int, n_layer: int, layer_id: int,
                  shift_mode: str = "q_shift_multihead", shift_pixel: int = 1,
                  init_mode: str = "fancy", key_norm: bool = False,
-                 with_cls_token: bool = False, with_cp: bool = False) -> None:
+                 with_cls_token: bool = False) -> None:
         super().__init__()
         if shift_mode != "q_shift_multihead" or init_mode != "fancy":
             raise ValueError("Image_RWKV supports shift_mode='q_shift_multihead' and "
@@ -41,7 +47,6 @@ class VRWKV_SpatialMix_V6(TimeMixBase):
         self.key_norm = nn.LayerNorm(n_embd) if key_norm else None
         self.output = nn.Linear(self.attn_sz, n_embd, bias=False)
         self.ln_x = nn.GroupNorm(n_head, self.attn_sz, eps=1e-5)
-        self.with_cp = with_cp
 
     @torch.no_grad()
     def _init_time_params(self) -> None:
@@ -65,9 +70,6 @@ class VRWKV_SpatialMix_V6(TimeMixBase):
                                  self.with_cls_token)
 
     def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
-        if self.with_cp and x.requires_grad:
-            return cp.checkpoint(self.mix, x, patch_resolution=patch_resolution,
-                                 use_reentrant=False)
         return self.mix(x, patch_resolution=patch_resolution)
 
 
@@ -75,12 +77,11 @@ class VRWKV_ChannelMix_V6(nn.Module):
     def __init__(self, n_embd: int, n_head: int, n_layer: int, layer_id: int,
                  shift_mode: str = "q_shift_multihead", shift_pixel: int = 1,
                  hidden_rate: int = 4, init_mode: str = "fancy", key_norm: bool = False,
-                 with_cls_token: bool = False, with_cp: bool = False) -> None:
+                 with_cls_token: bool = False) -> None:
         super().__init__()
         self.layer_id, self.n_layer, self.n_embd = layer_id, n_layer, n_embd
         self.n_head = n_head
         self.head_size = n_embd // n_head
-        self.with_cp = with_cp
         with torch.no_grad():  # mix weights: channel i keeps (i / C) ** (1 - depth) of itself
             ratio_1_to_almost0 = 1.0 - layer_id / n_layer
             ddd = (torch.arange(n_embd, dtype=torch.float32) / n_embd).view(1, 1, n_embd)
@@ -107,9 +108,6 @@ class VRWKV_ChannelMix_V6(nn.Module):
         return torch.sigmoid(self.receptance(xr)) * self.value(k)
 
     def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
-        if self.with_cp and x.requires_grad:
-            return cp.checkpoint(self.mix, x, patch_resolution=patch_resolution,
-                                 use_reentrant=False)
         return self.mix(x, patch_resolution)
 
 
@@ -177,7 +175,7 @@ class Image_RWKV(nn.Module):
                  init_values: float | None = None, hidden_rate: int = 4,
                  final_norm: bool = True, interpolate_mode: str = "bicubic",
                  output_cls_token: bool = False, with_cls_token: bool = False,
-                 with_cp: bool = False, init_cfg=None) -> None:
+                 with_cp: bool = False) -> None:
         super().__init__()
         if output_cls_token and not with_cls_token:
             raise ValueError("output_cls_token=True needs with_cls_token=True")

@@ -85,6 +85,34 @@ def test_retrieval_recall_by_hand_multiple_positives():
     assert m["image_retrieval_recall@5"] == pytest.approx(1.0)
 
 
+# 6 images, 6 captions, caption i describes image i (the diagonal). Rank of the positive:
+#   image -> text (rows):    1, 2, 3, 6, 1, 6  -> R@1 2/6, R@5 4/6, R@10 1
+#   text -> image (columns): 1, 2, 2, 6, 2, 6  -> R@1 1/6, R@5 4/6, R@10 1
+RANKED = torch.tensor([
+    [0.995, 0.1, 0.2, 0.3, 0.4, 0.5],
+    [0.8, 0.7, 0.0, 0.1, 0.2, 0.3],
+    [0.6, 0.5, 0.4, 0.3, 0.2, 0.1],
+    [0.15, 0.25, 0.35, 0.05, 0.45, 0.55],
+    [0.0, 0.1, 0.2, 0.3, 0.9, 0.4],
+    [0.99, 0.98, 0.97, 0.96, 0.95, 0.01],
+])
+
+
+def test_retrieval_recall_at_1_below_recall_at_5_below_1():
+    expected = {"text_retrieval_recall@1": 2 / 6, "text_retrieval_recall@5": 4 / 6,
+                "text_retrieval_recall@10": 1.0, "image_retrieval_recall@1": 1 / 6,
+                "image_retrieval_recall@5": 4 / 6, "image_retrieval_recall@10": 1.0}
+    from_scores = retrieval_metrics_from_scores(RANKED, list(range(6)))
+    # the same scores as features: image rows against one-hot text features
+    from_features = retrieval_metrics(RANKED, torch.eye(6), list(range(6)), normalize=False)
+    for m in (from_scores, from_features):
+        assert m.keys() == expected.keys()
+        for key, value in expected.items():
+            assert m[key] == pytest.approx(value), key
+        for side in ("text", "image"):
+            assert m[f"{side}_retrieval_recall@1"] < m[f"{side}_retrieval_recall@5"] < 1
+
+
 def test_recall_at_k_rows_and_chunks():
     pos = torch.tensor([[True, False, False], [False, False, True]])
     scores = torch.tensor([[0.1, 0.9, 0.5], [0.3, 0.2, 0.1]])

@@ -1,12 +1,11 @@
 """Training RWKV-CLIP: the pieces behind ``train.py``.
 
 * :mod:`.args`          command line (every original flag + new ones), config resolution
-* :mod:`.distributed`   torchrun environment, process group, clean shutdown
-* :mod:`.schedule`      OneCycleLR "cosine" (as the original) and "linear"
-* :mod:`.accumulation`  one optimizer step over K micro-batches (exact or mean mode)
+* :mod:`.schedule`      ``lr_at(step)``: OneCycle "cosine" (as the original) and "linear"
+* :mod:`.accumulation`  the losses of K micro-batches of one step (exact or mean mode)
 * :mod:`.checkpoint`    atomic checkpoints, ``epoch_latest.pt``, resume
 * :mod:`.logger`        speed line, tqdm, TensorBoard
-* :mod:`.loop`          :func:`main`: the training loop, top to bottom
+* :mod:`.loop`          :func:`train`: the training loop, top to bottom
 
 Importing this package starts nothing (no process group, no data, no kernels).
 """

@@ -14,20 +14,23 @@ Modes:
 * ``mean``: loss of each micro-batch on its own, divided by K, backward each (cheaper:
   one forward per micro-batch, but only m negatives per sample).
 
-DDP gradient sync happens only on the last backward (``no_sync`` on the others);
-clipping, the optimizer and the scaler step once. The caller steps the schedule.
+:class:`MicroBatchLosses` gives the loss of each micro-batch to backpropagate; the
+training loop (``loop.train``) runs the K backward passes with DDP's gradient sync on the
+last one only, then clips and steps once. :func:`train_step` is the same step in one
+process (tests, memory planner).
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from ..errors import RWKVCLIPError
 
 CAPTION_LEN = 77
@@ -80,7 +83,7 @@ def make_micro_batches(images: Sequence[torch.Tensor], tokens: Sequence[torch.Te
     sizes = [t.shape[0] for t in tokens]
     texts = choose_captions(torch.cat(list(tokens)), generator).split(sizes)
     return [MicroBatch(im.to(device, non_blocking=True), tx.to(device, non_blocking=True))
-            for im, tx in zip(images, texts)]
+            for im, tx in zip(images, texts, strict=True)]
 
 
 # ----------------------------------------------------------------------------- RNG states
@@ -99,14 +102,6 @@ def set_rng_state(state, device: torch.device) -> None:
 
 # ----------------------------------------------------------------------------- the step
 
-@dataclass
-class StepResult:
-    loss: float                 # the K*m-batch loss (exact) or mean micro-batch loss (mean)
-    grad_norm: float | None     # total gradient norm before clipping (None: no clipping)
-    logit_scale: float          # exp(logit_scale) used in the forward
-    samples: int                # samples in this step on this rank
-
-
 def _features(model: nn.Module, mb: MicroBatch, autocast: Callable):
     with autocast():
         image_features, text_features, logit_scale = model(mb.images, mb.texts)
@@ -116,95 +111,127 @@ def _features(model: nn.Module, mb: MicroBatch, autocast: Callable):
     return image_features.float(), text_features.float(), logit_scale.float()
 
 
-def _backward(loss: torch.Tensor, scaler) -> None:
-    if scaler is not None:
-        scaler.scale(loss).backward()
-    else:
-        loss.backward()
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
+
+
+class MicroBatchLosses:
+    """The K micro-batches of one optimizer step and the loss each one backpropagates.
+
+    Built before the first backward: in ``exact`` mode (K > 1) it runs the K cached
+    forwards here, without grad. ``loss(model, j)`` then runs micro-batch j's forward
+    with grad (``model`` may be the DDP wrapper, so the caller decides about gradient
+    sync) and returns the tensor to call ``backward`` on, before asking for j + 1.
+    """
+
+    def __init__(self, model: nn.Module, micro_batches: Sequence[MicroBatch],
+                 loss_fn: nn.Module, autocast: Callable = contextlib.nullcontext,
+                 mode: str = "exact") -> None:
+        if mode not in ("exact", "mean"):
+            raise ValueError(f"unknown accumulation mode {mode!r}: expected exact or mean")
+        if not micro_batches:
+            raise ValueError("an optimizer step needs at least one micro-batch")
+        self.micro_batches, self.loss_fn, self.autocast = micro_batches, loss_fn, autocast
+        self.k = len(micro_batches)
+        self.exact = mode == "exact" and self.k > 1
+        self.samples = sum(mb.images.shape[0] for mb in micro_batches)
+        self.losses: list[torch.Tensor] = []
+        self.logit_scale: float = float("nan")
+        if self.exact:
+            self._cache(unwrap(model))
+
+    def _cache(self, inner: nn.Module) -> None:
+        device = self.micro_batches[0].images.device
+        self.image, self.text, self.rng = [], [], []
+        with torch.no_grad():
+            for mb in self.micro_batches:
+                self.rng.append(get_rng_state(device))
+                image_f, text_f, _ = _features(inner, mb, self.autocast)
+                self.image.append(image_f)
+                self.text.append(text_f)
+
+    def loss(self, model: nn.Module, j: int) -> torch.Tensor:
+        mb = self.micro_batches[j]
+        if self.exact:
+            set_rng_state(self.rng[j], mb.images.device)  # the cached pass's dropout masks
+        image_f, text_f, logit_scale = _features(model, mb, self.autocast)
+        self.logit_scale = float(logit_scale.detach())
+        if not self.exact:
+            loss = self.loss_fn(image_f, text_f, logit_scale)
+            self.losses.append(loss.detach())
+            return loss / self.k if self.k > 1 else loss
+        if j < self.k - 1:  # logit_scale's gradient must be counted once, not K times
+            logit_scale = logit_scale.detach()
+        all_image = torch.cat(self.image[:j] + [image_f] + self.image[j + 1:])
+        all_text = torch.cat(self.text[:j] + [text_f] + self.text[j + 1:])
+        loss = self.loss_fn(all_image, all_text, logit_scale)
+        self.losses.append(loss.detach())
+        return loss
+
+    @property
+    def value(self) -> float:
+        """The step's loss: of the whole K x m batch (exact), or the mean of the K
+        micro-batch losses (mean)."""
+        return float(self.losses[-1] if self.exact else torch.stack(self.losses).mean())
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(float(loss)) for loss in self.losses)
+
+
+@dataclass
+class StepResult:
+    loss: float                 # the K*m-batch loss (exact) or mean micro-batch loss (mean)
+    grad_norm: float | None     # total gradient norm before clipping (None: no clipping)
+    logit_scale: float          # exp(logit_scale) used in the forward
+    samples: int                # samples in this step on this rank
+
+
+def clamp_logit_scale(model: nn.Module) -> None:
+    """CLIP's temperature bound: exp(logit_scale) stays within [1, 100]."""
+    with torch.no_grad():
+        unwrap(model).logit_scale.clamp_(0, math.log(100))
 
 
 def train_step(model: nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: nn.Module,
                optimizer: torch.optim.Optimizer, *, scaler=None,
                autocast: Callable = contextlib.nullcontext, mode: str = "exact",
-               clip_grad_norm: float | None = 1.0,
-               all_ranks_finite: Callable[[bool], bool] = lambda ok: ok) -> StepResult:
-    """Forward/backward over K micro-batches, then clip + one optimizer (scaler) step and
-    the logit-scale clamp to [0, ln 100].
-
-    ``model`` may be DDP-wrapped. ``all_ranks_finite(ok)`` must return False on every
-    rank when any rank's loss is not finite (identity for a single process); then
-    :class:`NonFiniteLossError` is raised before the parameters change.
-    """
-    if mode not in ("exact", "mean"):
-        raise ValueError(f"unknown accumulation mode {mode!r}: expected exact or mean")
-    k = len(micro_batches)
-    if k < 1:
-        raise ValueError("train_step needs at least one micro-batch")
-    inner = unwrap(model)
-    device = micro_batches[0].images.device
-    is_ddp = model is not inner and hasattr(model, "no_sync")
+               clip_grad_norm: float | None = 1.0) -> StepResult:
+    """One optimizer step in one process, in the order the training loop runs it
+    (``loop.train``, which adds DDP's gradient sync and the cross-rank finite check):
+    K backward passes, unscale, clip, optimizer (scaler) step, logit-scale clamp.
+    For the memory planner and the tests; raises :class:`NonFiniteLossError` before the
+    parameters change."""
     optimizer.zero_grad(set_to_none=True)
-
-    losses: list[torch.Tensor] = []
-    scale_value = None
-    if mode == "exact" and k > 1:
-        cached_image, cached_text, rng_states = [], [], []
-        with torch.no_grad():
-            for mb in micro_batches:
-                rng_states.append(get_rng_state(device))
-                image_f, text_f, _ = _features(inner, mb, autocast)
-                cached_image.append(image_f)
-                cached_text.append(text_f)
-        for j, mb in enumerate(micro_batches):
-            last = j == k - 1
-            sync = contextlib.nullcontext() if (last or not is_ddp) else model.no_sync()
-            with sync:
-                set_rng_state(rng_states[j], device)
-                image_f, text_f, logit_scale = _features(model, mb, autocast)
-                if not last:  # logit_scale's gradient must be counted once, not K times
-                    logit_scale = logit_scale.detach()
-                all_image = torch.cat(cached_image[:j] + [image_f] + cached_image[j + 1:])
-                all_text = torch.cat(cached_text[:j] + [text_f] + cached_text[j + 1:])
-                loss = loss_fn(all_image, all_text, logit_scale)
-                _backward(loss, scaler)
-            losses.append(loss.detach())
-            scale_value = logit_scale.detach()
-        step_loss = losses[-1]
-    else:
-        for j, mb in enumerate(micro_batches):
-            last = j == k - 1
-            sync = contextlib.nullcontext() if (last or not is_ddp) else model.no_sync()
-            with sync:
-                image_f, text_f, logit_scale = _features(model, mb, autocast)
-                loss = loss_fn(image_f, text_f, logit_scale)
-                _backward(loss / k if k > 1 else loss, scaler)
-            losses.append(loss.detach())
-            scale_value = logit_scale.detach()
-        step_loss = torch.stack(losses).mean()
-
-    loss_value = float(step_loss)
-    finite = all(math.isfinite(float(l)) for l in losses)
-    if not all_ranks_finite(finite):
+    micro = MicroBatchLosses(model, micro_batches, loss_fn, autocast, mode)
+    for j in range(micro.k):
+        loss = micro.loss(model, j)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    if not micro.finite:
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLossError(
-            f"loss is not finite ({loss_value}) on {'this rank' if not finite else 'another rank'}")
+        raise NonFiniteLossError(f"loss is not finite ({micro.value})")
+    grad_norm = unscale_and_clip(model, optimizer, scaler, clip_grad_norm)
+    optimizer_step(optimizer, scaler)
+    clamp_logit_scale(model)
+    return StepResult(loss=micro.value, grad_norm=grad_norm, logit_scale=micro.logit_scale,
+                      samples=micro.samples)
 
-    params = [p for p in inner.parameters() if p.requires_grad]
-    grad_norm = None
+
+def unscale_and_clip(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
+                     max_norm: float | None) -> float | None:
+    """Unscale fp16 gradients, clip the global norm (``max_norm`` <= 0 or None: off);
+    returns the norm before clipping, or None."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    if clip_grad_norm is not None and clip_grad_norm > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_grad_norm))
+    if max_norm is None or max_norm <= 0:
+        return None
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler) -> None:
     if scaler is not None:
-        scaler.step(optimizer)
+        scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
         scaler.update()
     else:
         optimizer.step()
-    with torch.no_grad():
-        inner.logit_scale.clamp_(0, math.log(100))
-    return StepResult(loss=loss_value, grad_norm=grad_norm, logit_scale=float(scale_value),
-                      samples=sum(mb.images.shape[0] for mb in micro_batches))

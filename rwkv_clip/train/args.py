@@ -294,4 +294,3 @@ def warn_ignored(args: argparse.Namespace, log=print) -> None:
                         ("--drop-path", args.drop_path)):
         if value is not None:
             log(f"note: {flag} is accepted for compatibility and ignored, as in the original")
-

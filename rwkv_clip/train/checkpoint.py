@@ -4,11 +4,15 @@ A checkpoint is one ``torch.save`` dict, readable with ``weights_only=True``:
 
 * ``state_dict``: the unwrapped model's state dict (no ``module.``), which
   ``create_RWKV_Model(args, model_weight_path=...)`` loads directly;
-* ``optimizer``, ``scheduler``, ``scaler`` (or None) state dicts;
+* ``optimizer`` and ``scaler`` (or None) state dicts;
 * ``step`` (optimizer steps done), ``epoch`` (current epoch), ``batch_in_epoch``
-  (micro-batches of that epoch already consumed: the data position);
-* ``rng``: torch CPU (and CUDA) generator states, numpy's and Python's ``random``;
+  (micro-batches of that epoch already consumed: the data position), ``total_steps``
+  (the schedule's length);
+* ``rng``: per rank, torch CPU (and CUDA) generator states, numpy's and Python's ``random``;
 * ``args``: the training arguments (JSON-safe values), ``model_config``.
+
+Format 1 (before the learning rate became a function of the step) also holds a
+``scheduler`` state dict; it loads and resumes the same, the entry is ignored.
 
 Writes go to a temporary file in the same folder, are flushed to disk, then renamed
 over the target, so a crash never leaves a half-written checkpoint under a real name.
@@ -23,10 +27,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from ..errors import ResumeError
 
 LATEST = "epoch_latest.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def checkpoint_dir(output: str | os.PathLike) -> Path:
@@ -69,19 +74,20 @@ def restore_rng_states(states: dict[str, Any], device: torch.device | None = Non
         torch.cuda.set_rng_state(states["cuda"].cpu(), device)
 
 
-def build_checkpoint(model, optimizer, scheduler, scaler, *, step: int, epoch: int,
-                     batch_in_epoch: int, args, device: torch.device | None) -> dict[str, Any]:
+def build_checkpoint(model, optimizer, scaler, *, step: int, epoch: int, batch_in_epoch: int,
+                     args, rng: list[dict[str, Any]], total_steps: int) -> dict[str, Any]:
+    """``rng``: every rank's :func:`rng_states`, in rank order."""
     args_dict = vars(args) if not isinstance(args, dict) else args
     return {
         "format_version": FORMAT_VERSION,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "step": int(step),
         "epoch": int(epoch),
         "batch_in_epoch": int(batch_in_epoch),
-        "rng": rng_states(device),
+        "total_steps": int(total_steps),
+        "rng": rng,
         "args": _json_safe(args_dict),
         "model_config": _json_safe(args_dict.get("model_config")),
     }
@@ -160,7 +166,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ResumeError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
-    needed = ("state_dict", "optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "rng")
+    needed = ("state_dict", "optimizer", "step", "epoch", "batch_in_epoch", "rng")
     missing = [k for k in needed if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise ResumeError(f"{path} is not a training checkpoint (missing {missing}); "

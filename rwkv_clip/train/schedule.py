@@ -1,31 +1,30 @@
-"""Learning-rate schedules, stepped once per optimizer step (not per micro-batch).
+"""Learning-rate schedules as pure functions of the optimizer step.
 
-* ``cosine``: the original's ``OneCycleLR`` (PyTorch defaults: start at lr/25, cosine
-  warmup to lr over the first ``warmup`` fraction, cosine anneal to lr/25/1e4, and
-  beta1/momentum cycled 0.95 -> 0.85 -> 0.95). The original passed
-  ``steps_per_epoch``/``epochs``; we pass the same product as ``total_steps``.
-* ``linear``: the original's ``LinearLR`` from lr down to 0 over all steps, no warmup.
+``lr_at(step, ...)`` gives the learning rate (and, for ``cosine``, beta1) to use for the
+optimizer step that follows ``step`` completed steps. It holds no state, so a resumed run
+only needs the step counter: there is no scheduler object to save, load or fast-forward,
+and a run whose length changed on resume simply continues the new schedule.
+
+* ``cosine``: the original's ``OneCycleLR(max_lr=lr, pct_start=0.1)`` with PyTorch's
+  defaults, which the original kept: start at lr / 25 (``div_factor``), cosine warmup to
+  lr over the first ``warmup`` fraction of the steps, cosine anneal to lr / 25 / 1e4
+  (``final_div_factor``), and beta1 (SGD: momentum) cycled 0.95 -> 0.85 -> 0.95 the other
+  way round. The original passed ``steps_per_epoch``/``epochs``; the schedule depends only
+  on their product, ``total_steps``.
+* ``linear``: the original's ``LinearLR(start_factor=1, end_factor=0)``: lr down to 0
+  over all steps, no warmup, beta1 left as given.
 """
 from __future__ import annotations
 
+import math
+
 import torch
-from torch.optim import lr_scheduler
 
-
-def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, total_steps: int,
-                    warmup: float = 0.1):
-    """One scheduler for ``total_steps`` optimizer steps."""
-    if total_steps < 1:
-        raise ValueError(f"the schedule needs at least one optimizer step, got {total_steps}")
-    if kind == "cosine":
-        max_lr = [group["lr"] for group in optimizer.param_groups]
-        return lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps,
-                                       pct_start=warmup_fraction(warmup, total_steps),
-                                       anneal_strategy="cos", cycle_momentum=True)
-    if kind == "linear":
-        return lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.0,
-                                     total_iters=total_steps)
-    raise ValueError(f"unknown lr scheduler {kind!r}: expected cosine or linear")
+SCHEDULES = ("cosine", "linear")
+DIV_FACTOR = 25.0          # OneCycleLR: initial lr = max lr / 25
+FINAL_DIV_FACTOR = 1e4     # OneCycleLR: final lr = initial lr / 1e4
+BASE_MOMENTUM = 0.85       # OneCycleLR: beta1 at the peak lr
+MAX_MOMENTUM = 0.95        # OneCycleLR: beta1 at the start and the end
 
 
 def warmup_fraction(warmup: float, total_steps: int) -> float:
@@ -36,12 +35,44 @@ def warmup_fraction(warmup: float, total_steps: int) -> float:
     return min(1.5 / total_steps, 0.99)
 
 
-def step_scheduler(scheduler, step: int, total_steps: int) -> None:
-    """Advance after optimizer step number ``step`` (1-based); OneCycleLR raises when
-    stepped past its end, so the last step leaves it at its final value."""
-    if step < total_steps:
-        scheduler.step()
+def _cos(start: float, end: float, pct: float) -> float:
+    """Cosine from ``start`` (pct 0) to ``end`` (pct 1), written as torch's OneCycleLR
+    writes it so the two agree to the last bit."""
+    cos_out = math.cos(math.pi * pct) + 1
+    return end + (start - end) / 2.0 * cos_out
 
 
-def current_lr(optimizer: torch.optim.Optimizer) -> float:
-    return float(optimizer.param_groups[0]["lr"])
+def lr_at(step: int, *, kind: str, max_lr: float, total_steps: int,
+          warmup: float = 0.1) -> tuple[float, float | None]:
+    """(learning rate, beta1 or None) for the optimizer step after ``step`` done steps.
+
+    ``beta1`` is None where the schedule leaves it alone (``linear``). Steps past the end
+    stay at the final value (OneCycleLR would raise).
+    """
+    if total_steps < 1:
+        raise ValueError(f"the schedule needs at least one optimizer step, got {total_steps}")
+    step = min(max(int(step), 0), total_steps - 1) if kind == "cosine" else max(int(step), 0)
+    if kind == "linear":
+        return max_lr * (1.0 - min(step, total_steps) / total_steps), None
+    if kind != "cosine":
+        raise ValueError(f"unknown lr scheduler {kind!r}: expected one of {', '.join(SCHEDULES)}")
+    initial_lr = max_lr / DIV_FACTOR
+    min_lr = initial_lr / FINAL_DIV_FACTOR
+    peak = float(warmup_fraction(warmup, total_steps) * total_steps) - 1
+    if step <= peak:  # warmup: lr up, beta1 down
+        pct = step / peak
+        return (_cos(initial_lr, max_lr, pct), _cos(MAX_MOMENTUM, BASE_MOMENTUM, pct))
+    pct = (step - peak) / (total_steps - 1 - peak)  # anneal: lr down, beta1 up
+    return _cos(max_lr, min_lr, pct), _cos(BASE_MOMENTUM, MAX_MOMENTUM, pct)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, beta1: float | None) -> None:
+    """Write the step's lr (and beta1: Adam's betas[0], SGD's momentum) into every group."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        if beta1 is None:
+            continue
+        if "betas" in group:
+            group["betas"] = (beta1, *group["betas"][1:])
+        else:
+            group["momentum"] = beta1
