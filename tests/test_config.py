@@ -9,14 +9,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from train_util import REPO, TINY_CONFIG
 
 import rwkv_clip.model
 import rwkv_clip.text_rwkv
-from rwkv_clip import (ClipLoss, ConfigError, ModelArgs, Text_RWKV, create_RWKV_Model,
-                       load_model_configs)
+from rwkv_clip import (
+    ClipLoss,
+    ConfigError,
+    ModelArgs,
+    Text_RWKV,
+    create_RWKV_Model,
+    load_model_configs,
+)
 from rwkv_clip.config import available_configs, complete_args, config_dir, read_config_json
 from rwkv_clip.train.args import build_parser, parse_args, resolve_model_config
-from train_util import REPO, TINY_CONFIG
 
 
 def _tiny_params() -> dict:

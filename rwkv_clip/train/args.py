@@ -20,6 +20,7 @@ from typing import Any
 
 from ..config import ConfigError, ModelArgs, parse_bool, read_config_json
 from ..errors import EXIT_USER_ERROR, TrainArgsError, report
+from ..precision import PRECISIONS
 
 DEFAULT_CONFIG = "RWKV_CLIP_small"
 
@@ -37,7 +38,6 @@ SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "work
 # Config keys that are not model settings: not recorded in args.model_config.
 NOT_MODEL_KEYS = ("workers", "data_type")
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 DATA_FORMATS = ("rec", "wds", "parquet", "builtin")
 
 
