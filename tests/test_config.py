@@ -290,3 +290,14 @@ def test_train_py_with_a_bad_config_prints_one_line_and_exits_2(tmp_path):
     assert out.stderr.splitlines() == [
         f"train.py: error: unknown key 'image_embed_dim' in model config {path}; "
         "did you mean 'image_embed_dims'?"]
+
+
+def test_an_argparse_namespace_contributes_only_its_config_keys():
+    """The original's train.py passes its whole command line to create_RWKV_Model."""
+    import argparse
+
+    from rwkv_clip.config import complete_args, load_model_configs
+
+    base = load_model_configs("RWKV_CLIP_tiny")
+    ns = argparse.Namespace(**base.to_dict(), lr=0.1, batch_size=3)
+    assert complete_args(ns).to_dict() == complete_args(base).to_dict()
