@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rwkv_clip.data import DataError, RecordIOWriter
+from rwkv_clip.data import DataError, IRHeader, RecordIOWriter, pack
 from rwkv_clip.eval import eval_transform
 from rwkv_clip.transform import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
@@ -127,8 +127,7 @@ def jpeg(img):
 def write_imagenet_rec(folder, labels, images, header_label=True):
     folder.mkdir(parents=True, exist_ok=True)
     with RecordIOWriter(str(folder / "val.rec"), str(folder / "val.idx")) as w:
-        for key, (label, data) in enumerate(zip(labels, images)):
-            from rwkv_clip.data.recordio import IRHeader, pack
+        for key, (label, data) in enumerate(zip(labels, images, strict=True)):
             if header_label:  # im2rec's layout: flag 0, the class index in the header
                 w.write(key, pack(IRHeader(0, float(label), key, 0), None, data))
             else:  # a label vector whose first entry is the class
