@@ -47,7 +47,8 @@ def test_original_retrieval_flags_on_coco_layout(tmp_path):
              "--image-hidden-rate", 1, "--ctx-len", 77, "--vocab-size", 49408,
              "--head-size", 32, "--head-size-divisor", 8, "--n-embd", 64, "--n-layer", 2,
              "--text-initialization", "True"]
-    env = dict(os.environ, RWKV_CLIP_DATA_ROOT=str(tmp_path / "coco"), HF_HUB_OFFLINE="1",
+    # one data root for every set, as the shell script has: the set is its coco/ sub-folder
+    env = dict(os.environ, RWKV_CLIP_DATA_ROOT=str(tmp_path), HF_HUB_OFFLINE="1",
                CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, "text_image_retrieval.py", *map(str, flags),
                         "--workers", "0"], cwd=REPO, env=env, capture_output=True, text=True,

@@ -14,7 +14,8 @@ Splits follow the original (``dataloaders/*.py``):
   seeded it with ``3072 + hash("sun397") % 2048``, which changes with every Python
   process (salted string hashing); we use ``3072 + zlib.crc32(b"sun397") % 2048`` and
   list the images in sorted order, so the split is the same on every run and machine.
-* every other set - the torchvision ``test`` split (imagenet: the ``val`` folder).
+* every other set - the torchvision ``test`` split (imagenet: the ``val`` folder, or the
+  original's ``val.rec`` + ``val.idx``).
 """
 from __future__ import annotations
 
