@@ -74,6 +74,11 @@ def test_hf_hub_name_from_local_cache(offline_cache, tmp_path, capsys):
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k]), k
     assert preprocess_val(Image.new("RGB", (30, 20))).shape == (3, 16, 16)
+    # train.py --pretrained goes through load_model_weight, which takes the same names
+    fresh = rwkv_clip.create_RWKV_Model(rwkv_clip.load_model_configs(TINY))
+    rwkv_clip.load_model_weight(fresh, "hf-hub:someone/tiny-clip/weights.pt")
+    assert torch.equal(fresh.logit_scale, state["logit_scale"])
+    assert torch.equal(fresh.text_model.emb.weight, state["text_model.emb.weight"])
     # the eval CLI takes the same name; the config is inferred from the shapes
     from zero_shot import main
     folder = tmp_path / "imgs"
