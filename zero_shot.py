@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Zero-shot evaluation of RWKV-CLIP: classification on the paper's 11 sets or any image
 folder, and image-text retrieval. ``python zero_shot.py --help`` lists every flag; the
-original's shell/test_zero_shot_classificaiton.sh runs unchanged (paths filled in)."""
+original's shell/test_zero_shot_classificaiton.sh runs with its paths filled in (the data
+folder: --data-root or RWKV_CLIP_DATA_ROOT)."""
 import sys
 
 from rwkv_clip.eval.cli import build_parser  # noqa: F401 - re-exported for scripts and tests
