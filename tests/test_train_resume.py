@@ -83,11 +83,40 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_rec):
     assert resumed["steps"] == full["steps"]
     assert _max_diff(_weights(resumed["model"]), _weights(full["model"])) < 1e-6
     # and the check has teeth: the step-2 weights are far from the final ones
-    assert _max_diff(strip(state["state_dict"]), _weights(full["model"])) > 1e-4
+    assert _max_diff(state["state_dict"], _weights(full["model"])) > 1e-4
+
+    # a checkpoint in the format before lr_at (format 1: a OneCycleLR state dict, and the
+    # scheduler's keys in the optimizer's param groups) resumes to the same weights
+    old = tmp_path / "format1_step_2.pt"
+    torch.save(_as_format_1(state, lr=1e-3, total_steps=full["steps"], steps_done=2), old)
+    from_old = main(parse_args(tiny_argv(tmp_path / "from_old", tiny_rec, *extra,
+                                         "--resume", str(old))))
+    assert _max_diff(_weights(from_old["model"]), _weights(full["model"])) < 1e-6
 
 
-def strip(sd):
-    return {k: v for k, v in sd.items()}
+ONE_CYCLE_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum")
+
+
+def _as_format_1(ckpt: dict, lr: float, total_steps: int, steps_done: int) -> dict:
+    """``ckpt`` as the trainer wrote it while it stepped a torch OneCycleLR object."""
+    from torch.optim.lr_scheduler import OneCycleLR
+
+    from rwkv_clip.train.schedule import warmup_fraction
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in ckpt["optimizer"]["param_groups"]]
+    opt = torch.optim.AdamW([{"params": [p]} for p in params], lr=lr, betas=(0.9, 0.98))
+    sched = OneCycleLR(opt, max_lr=lr, total_steps=total_steps,
+                       pct_start=warmup_fraction(0.1, total_steps))
+    for _ in range(steps_done):
+        opt.step()
+        sched.step()
+    old = {k: v for k, v in ckpt.items() if k != "total_steps"}
+    old["format_version"], old["scheduler"] = 1, sched.state_dict()
+    old["total_steps"] = total_steps
+    old["optimizer"] = {"state": ckpt["optimizer"]["state"], "param_groups": [
+        {**group, **{k: sched_group[k] for k in ONE_CYCLE_GROUP_KEYS}}
+        for group, sched_group in zip(ckpt["optimizer"]["param_groups"],
+                                      opt.state_dict()["param_groups"], strict=True)]}
+    return old
 
 
 @pytest.mark.slow
