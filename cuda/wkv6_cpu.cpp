@@ -16,9 +16,13 @@
 //              + sum_{s>t} k dk_Q[s] - sum_{s>=t} r dr_B[s]
 //   (products per channel), and dw = -exp(w) * dlogd.
 //
-// Work is split over (batch x head) with OpenMP; each thread owns its scratch for the
-// whole call, so nothing is allocated per step. Inner loops run over the N value
-// channels with unit stride and are written for the compiler to vectorise.
+// Work is split over (batch x head) with OpenMP. Inputs are read in their own dtypes
+// (fp32 / bf16 / fp16 / fp64, each tensor its own) into fp32 scratch rows and gradients
+// are written in the inputs' dtypes, so the caller never makes dtype copies. Scratch is
+// thread_local and only grows, so after the first call nothing is allocated but the
+// outputs. Inner loops run over channels with unit stride and compile-time trip counts
+// (N = 32, 64, 80, 128) for the compiler to vectorise; the forward keeps blocks of 16
+// outputs in registers across the whole key loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -68,14 +72,31 @@ inline void store_slab(const float* src, at::Tensor& x, int64_t offset, int64_t 
     }
 }
 
-// Per-call fp32 slabs of one (batch, head): r, k, v, decay, -exp(w), gy as (T, N) rows.
+template <typename V>
+inline void grow(V& vec, int64_t n) {
+    if (static_cast<int64_t>(vec.size()) < n) vec.resize(n);
+}
+
+// fp32 slabs of one (batch, head): r, k, v, decay, -exp(w), gy as (T, N) rows, and u.
 struct Slabs {
-    std::vector<float> r, k, v, d, ew, g;
-    void resize(int64_t n, bool with_g) {
-        r.resize(n); k.resize(n); v.resize(n); d.resize(n); ew.resize(n);
-        if (with_g) g.resize(n);
+    std::vector<float> r, k, v, d, ew, g, u, state;
+    void resize(int64_t n, int64_t N, bool with_g) {  // grows only
+        grow(r, n); grow(k, n); grow(v, n); grow(d, n); grow(ew, n); grow(u, N);
+        grow(state, N * N);
+        if (with_g) grow(g, n);
     }
 };
+
+// Each OpenMP worker keeps its scratch between calls (the pool's threads persist).
+Slabs& thread_slabs() {
+    static thread_local Slabs s;
+    return s;
+}
+
+// Read u's head h (any float dtype) as fp32.
+inline void load_u(const at::Tensor& u, int64_t h, int64_t N, float* dst) {
+    load_slab(u, h * N, dst, 1, N, N);
+}
 
 inline void load_inputs(Slabs& s, const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& w, int64_t off, int64_t T, int64_t C, int64_t N) {
@@ -93,6 +114,8 @@ inline void load_inputs(Slabs& s, const at::Tensor& r, const at::Tensor& k, cons
 
 // One direction of the forward pass, accumulated into y (T, N rows of the output).
 // NC > 0 fixes the head size at compile time (better code); NC == 0 uses n.
+constexpr int64_t kBlock = 16;  // outputs kept in registers (two AVX2 / one AVX-512 vector)
+
 template <int NC>
 void forward_scan(const float* r, const float* k, const float* v, const float* d,
                   const float* u, float* state, float* y, int64_t T, int64_t C, int64_t n,
@@ -106,21 +129,46 @@ void forward_scan(const float* r, const float* k, const float* v, const float* d
         const float* vt = v + t * N;
         const float* dt = d + t * N;
         float* yt = y + t * C;
-        if (u != nullptr) {  // the bonus term of the causal direction
-            float ruk = 0.0f;
+        float ruk = 0.0f;  // the bonus term of the causal direction: (sum_j r u k) v[t, i]
+        if (u != nullptr) {
 #pragma omp simd reduction(+ : ruk)
             for (int64_t j = 0; j < N; ++j) ruk += rt[j] * u[j] * kt[j];
-#pragma omp simd
-            for (int64_t i = 0; i < N; ++i) yt[i] += ruk * vt[i];
         }
-        for (int64_t j = 0; j < N; ++j) {
-            float* row = state + j * N;
-            const float rj = rt[j], kj = kt[j], dj = dt[j];
+        if constexpr (NC > 0 && NC % kBlock == 0) {
+            // y[t, block] stays in registers over all N key channels: one load and one
+            // store of the state per multiply-add pair, nothing else touches memory
+            for (int64_t ib = 0; ib < N; ib += kBlock) {
+                float acc[kBlock];
+                const float* vb = vt + ib;
 #pragma omp simd
-            for (int64_t i = 0; i < N; ++i) {
-                const float s = row[i];
-                yt[i] += rj * s;
-                row[i] = dj * s + kj * vt[i];
+                for (int64_t i = 0; i < kBlock; ++i) acc[i] = yt[ib + i] + ruk * vb[i];
+                for (int64_t j = 0; j < N; ++j) {
+                    float* row = state + j * N + ib;
+                    const float rj = rt[j], kj = kt[j], dj = dt[j];
+#pragma omp simd
+                    for (int64_t i = 0; i < kBlock; ++i) {
+                        const float s = row[i];
+                        acc[i] += rj * s;
+                        row[i] = dj * s + kj * vb[i];
+                    }
+                }
+#pragma omp simd
+                for (int64_t i = 0; i < kBlock; ++i) yt[ib + i] = acc[i];
+            }
+        } else {
+            if (u != nullptr) {
+#pragma omp simd
+                for (int64_t i = 0; i < N; ++i) yt[i] += ruk * vt[i];
+            }
+            for (int64_t j = 0; j < N; ++j) {
+                float* row = state + j * N;
+                const float rj = rt[j], kj = kt[j], dj = dt[j];
+#pragma omp simd
+                for (int64_t i = 0; i < N; ++i) {
+                    const float s = row[i];
+                    yt[i] += rj * s;
+                    row[i] = dj * s + kj * vt[i];
+                }
             }
         }
     }
@@ -134,14 +182,19 @@ struct BackScratch {
     std::vector<double> lam;          // log-decay adjoint partial sums (T x N)
     std::vector<double> run_a, run_b; // running per-channel sums (N)
     std::vector<float> sx, sy;        // per-step row reductions (N)
-    void resize(int64_t T, int64_t N) {
-        X.resize(N * N); Y.resize(N * N);
-        dr.resize(T * N); dk.resize(T * N); dv.resize(T * N); gw.resize(T * N);
-        lam.resize(T * N);
-        run_a.resize(N); run_b.resize(N);
-        sx.resize(N); sy.resize(N);
+    void resize(int64_t T, int64_t N) {  // grows only
+        grow(X, N * N); grow(Y, N * N);
+        grow(dr, T * N); grow(dk, T * N); grow(dv, T * N); grow(gw, T * N);
+        grow(lam, T * N);
+        grow(run_a, N); grow(run_b, N);
+        grow(sx, N); grow(sy, N);
     }
 };
+
+BackScratch& thread_back_scratch() {
+    static thread_local BackScratch s;
+    return s;
+}
 
 // One direction of the backward pass. X accumulates k v^T (read with g -> dr),
 // Y accumulates r g^T (read with v -> dk, with k -> dv). Both are used, then updated.
@@ -215,52 +268,50 @@ void check_args(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
     }
     TORCH_CHECK(u.dim() == 2 && u.size(0) * u.size(1) == r.size(2),
                 "wkv6_cpu: u must be (H, N) with H * N == C");
+    TORCH_CHECK(u.is_contiguous() && u.device().is_cpu(), "wkv6_cpu: u must be a contiguous CPU tensor");
     TORCH_CHECK(r.size(1) >= 1, "wkv6_cpu: T must be >= 1");
 }
 
 template <int NC>
 void forward_impl(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& w, const at::Tensor& u32, at::Tensor& y) {
+                  const at::Tensor& w, const at::Tensor& u, at::Tensor& y) {
     const int64_t B = r.size(0), T = r.size(1), C = r.size(2);
-    const int64_t H = u32.size(0), N = u32.size(1);
-    const float* up = u32.data_ptr<float>();
+    const int64_t H = u.size(0), N = u.size(1);
     float* yp = y.data_ptr<float>();
     const int nthreads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(B * H)));
 #pragma omp parallel num_threads(nthreads)
     {
-        Slabs in;
-        in.resize(T * N, false);
-        std::vector<float> state(N * N);
+        Slabs& in = thread_slabs();
+        in.resize(T * N, N, false);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t bh = 0; bh < B * H; ++bh) {
             const int64_t b = bh / H, h = bh % H;
             const int64_t off = b * T * C + h * N;
             load_inputs(in, r, k, v, w, off, T, C, N);
+            load_u(u, h, N, in.u.data());
             float* yb = yp + off;
             for (int64_t t = 0; t < T; ++t) std::fill(yb + t * C, yb + t * C + N, 0.0f);
-            forward_scan<NC>(in.r.data(), in.k.data(), in.v.data(), in.d.data(), up + h * N,
-                             state.data(), yb, T, C, N, false);
+            forward_scan<NC>(in.r.data(), in.k.data(), in.v.data(), in.d.data(), in.u.data(),
+                             in.state.data(), yb, T, C, N, false);
             forward_scan<NC>(in.r.data(), in.k.data(), in.v.data(), in.d.data(), nullptr,
-                             state.data(), yb, T, C, N, true);
+                             in.state.data(), yb, T, C, N, true);
         }
     }
 }
 
 template <int NC>
 void backward_impl(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& w, const at::Tensor& u32, const at::Tensor& gy,
+                   const at::Tensor& w, const at::Tensor& u, const at::Tensor& gy,
                    at::Tensor& gr, at::Tensor& gk, at::Tensor& gv, at::Tensor& gw,
-                   at::Tensor& gu_part) {
+                   float* gup) {
     const int64_t B = r.size(0), T = r.size(1), C = r.size(2);
-    const int64_t H = u32.size(0), N = u32.size(1);
-    const float* up = u32.data_ptr<float>();
-    float* gup = gu_part.data_ptr<float>();  // (B, H, N)
+    const int64_t H = u.size(0), N = u.size(1);  // gup: (B, H, N) partial sums of gu
     const int nthreads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(B * H)));
 #pragma omp parallel num_threads(nthreads)
     {
-        Slabs in;
-        in.resize(T * N, true);
-        BackScratch s;
+        Slabs& in = thread_slabs();
+        in.resize(T * N, N, true);
+        BackScratch& s = thread_back_scratch();
         s.resize(T, N);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t bh = 0; bh < B * H; ++bh) {
@@ -268,7 +319,8 @@ void backward_impl(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v
             const int64_t off = b * T * C + h * N;
             load_inputs(in, r, k, v, w, off, T, C, N);
             load_slab(gy, off, in.g.data(), T, C, N);
-            const float* uh = up + h * N;
+            load_u(u, h, N, in.u.data());
+            const float* uh = in.u.data();
             // Bonus terms: y[t,i] += (sum_j r u k) v[t,i].
             float* gub = gup + bh * N;
             std::fill(gub, gub + N, 0.0f);
@@ -332,9 +384,8 @@ void dispatch_n(int64_t N, Fn&& fn) {
 at::Tensor wkv6_forward(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& w, const at::Tensor& u) {
     check_args(r, k, v, w, u);
-    at::Tensor u32 = u.to(at::kFloat).contiguous();
     at::Tensor y = at::empty(r.sizes(), r.options().dtype(at::kFloat));
-    dispatch_n(u.size(1), [&](auto nc) { forward_impl<decltype(nc)::value>(r, k, v, w, u32, y); });
+    dispatch_n(u.size(1), [&](auto nc) { forward_impl<decltype(nc)::value>(r, k, v, w, u, y); });
     return y;
 }
 
@@ -342,14 +393,23 @@ std::vector<at::Tensor> wkv6_backward(const at::Tensor& r, const at::Tensor& k, 
                                       const at::Tensor& w, const at::Tensor& u, const at::Tensor& gy) {
     check_args(r, k, v, w, u);
     TORCH_CHECK(gy.sizes() == r.sizes() && gy.is_contiguous(), "wkv6_cpu: gy must be contiguous (B, T, C)");
-    at::Tensor u32 = u.to(at::kFloat).contiguous();
     at::Tensor gr = at::empty_like(r), gk = at::empty_like(k), gv = at::empty_like(v), gw = at::empty_like(w);
+    at::Tensor gu = at::empty_like(u);
     const int64_t B = r.size(0), H = u.size(0), N = u.size(1);
-    at::Tensor gu_part = at::empty({B, H, N}, r.options().dtype(at::kFloat));
+    // per-(batch, head) partial sums of gu, reduced over the batch below; kept by the
+    // calling thread between calls, like the workers' scratch
+    static thread_local std::vector<float> gu_part, gu_sum;
+    grow(gu_part, B * H * N);
+    grow(gu_sum, H * N);
     dispatch_n(N, [&](auto nc) {
-        backward_impl<decltype(nc)::value>(r, k, v, w, u32, gy, gr, gk, gv, gw, gu_part);
+        backward_impl<decltype(nc)::value>(r, k, v, w, u, gy, gr, gk, gv, gw, gu_part.data());
     });
-    at::Tensor gu = gu_part.sum(0).to(u.scalar_type());
+    for (int64_t q = 0; q < H * N; ++q) {
+        double acc = 0.0;
+        for (int64_t b = 0; b < B; ++b) acc += gu_part[b * H * N + q];
+        gu_sum[q] = static_cast<float>(acc);
+    }
+    store_slab(gu_sum.data(), gu, 0, 1, H * N, H * N);
     return {gr, gk, gv, gw, gu};
 }
 

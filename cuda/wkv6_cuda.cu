@@ -15,33 +15,11 @@
 // Built with -DWKV_EMULATE (tests/test_wkv_ops.py), the kernels compile as plain C++ on a
 // host with a shim that runs each block's threads as std::threads, so the kernel logic
 // is checked against the reference even where no GPU exists.
-#ifndef WKV_EMULATE
-#include <cuda_runtime.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#endif
-#include <stdint.h>
-
-#ifndef WKV_N
-#error "compile with -DWKV_N=<head size>"
-#endif
-#ifndef WKV_TMAX
-#error "compile with -DWKV_TMAX=<max sequence length>"
-#endif
-static_assert(WKV_N % 4 == 0, "WKV_N must be a multiple of 4");
+#include "wkv6_common.cuh"
 
 namespace {
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-#ifndef WKV_EMULATE
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-#endif
-
-template <typename FW>
-__device__ __forceinline__ float decay_of(FW w) { return __expf(-__expf(to_f(w))); }
-template <typename FW>
-__device__ __forceinline__ float neg_exp(FW w) { return -__expf(to_f(w)); }
+using namespace wkv;
 
 // ------------------------------------------------------------------------- forward
 // Thread i owns value channel i and keeps column i of the state (all key channels j).
@@ -296,16 +274,7 @@ void launch_backward(int B, int T, int C, int H, const void* r, const void* k, c
 
 }  // namespace
 
-// dtype codes: 0 = float32, 1 = bfloat16, 2 = float16. w is float32 or the same as r/k/v.
-#define WKV_DISPATCH(FN, ...)                                                          \
-    if (dt == 0) FN<float, float>(__VA_ARGS__);                                        \
-    else if (dt == 1 && wdt == 0) FN<__nv_bfloat16, float>(__VA_ARGS__);               \
-    else if (dt == 1 && wdt == 1) FN<__nv_bfloat16, __nv_bfloat16>(__VA_ARGS__);       \
-    else if (dt == 2 && wdt == 0) FN<__half, float>(__VA_ARGS__);                      \
-    else if (dt == 2 && wdt == 2) FN<__half, __half>(__VA_ARGS__);                     \
-    else return false;                                                                 \
-    return true;
-
+// WKV_DISPATCH (wkv6_common.cuh): the same (r/k/v, w) dtype pairs in both variants.
 bool wkv6_cuda_forward(int dt, int wdt, int B, int T, int C, int H, const void* r, const void* k,
                        const void* v, const void* w, const float* u, float* y, cudaStream_t s) {
     WKV_DISPATCH(launch_forward, B, T, C, H, r, k, v, w, u, y, s)

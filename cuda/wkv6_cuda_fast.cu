@@ -17,34 +17,11 @@
 // Notation (per batch, head; j = key channel, i = value channel), d = exp(-exp(w)):
 //   A[t] = d[t] (.) A[t-1] + k[t] v[t]^T      B[t] = d[t] (.) B[t+1] + k[t] v[t]^T
 //   Q[t] = sum_{s<t} D(s,t) r[s] g[s]^T       P[t] = sum_{s>t} D(t,s) r[s] g[s]^T
-#ifndef WKV_EMULATE
-#include <cuda_runtime.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#endif
-#include <stdint.h>
-
-#ifndef WKV_N
-#error "compile with -DWKV_N=<head size>"
-#endif
-#ifndef WKV_TMAX
-#error "compile with -DWKV_TMAX=<max sequence length>"
-#endif
-static_assert(WKV_N % 4 == 0, "WKV_N must be a multiple of 4");
+#include "wkv6_common.cuh"
 
 namespace {
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ void from_f(float x, float* dst) { *dst = x; }
-#ifndef WKV_EMULATE
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ void from_f(float x, __nv_bfloat16* dst) { *dst = __float2bfloat16(x); }
-__device__ __forceinline__ void from_f(float x, __half* dst) { *dst = __float2half(x); }
-#endif
-
-template <typename FW>
-__device__ __forceinline__ float neg_exp(FW w) { return -__expf(to_f(w)); }
+using namespace wkv;
 
 // "Column" scan. Thread i keeps column i of M = sum_s D_j a[s,j] b[s,i] (decay per row j):
 //   out[t,i] = sum_j c[t,j] M[j,i]  (M before step t's update), M <- d[t] (.) M + a[t] b[t,i]
@@ -235,16 +212,7 @@ void launch_backward(int B, int T, int C, int H, const void* r, const void* k, c
 }
 }  // namespace
 
-// dtype codes: 0 = float32, 1 = bfloat16, 2 = float16. w is float32 or the same as r/k/v.
-#define WKV_DISPATCH(FN, ...)                                                          \
-    if (dt == 0 && wdt == 0) FN<float, float>(__VA_ARGS__);                            \
-    else if (dt == 1 && wdt == 0) FN<__nv_bfloat16, float>(__VA_ARGS__);               \
-    else if (dt == 1 && wdt == 1) FN<__nv_bfloat16, __nv_bfloat16>(__VA_ARGS__);       \
-    else if (dt == 2 && wdt == 0) FN<__half, float>(__VA_ARGS__);                      \
-    else if (dt == 2 && wdt == 2) FN<__half, __half>(__VA_ARGS__);                     \
-    else return false;                                                                 \
-    return true;
-
+// WKV_DISPATCH (wkv6_common.cuh): the same (r/k/v, w) dtype pairs in both variants.
 // y must be zero-filled by the caller.
 bool wkv6_fast_forward(int dt, int wdt, int B, int T, int C, int H, const void* r, const void* k,
                        const void* v, const void* w, const float* u, float* y, cudaStream_t s) {

@@ -1,56 +1,227 @@
-"""Model configuration: the original's JSON files <-> an attribute namespace, validated.
+"""Model configuration: the original's JSON files <-> a typed, validated :class:`ModelArgs`.
 
-The original passes one ``args`` object around (argparse or ``load_model_configs``),
-and ``Text_RWKV(args)`` reads its fields directly. We keep that contract: a config is
-a plain attribute namespace (:class:`ModelArgs`) holding exactly the JSON keys, plus
-derived defaults the original fills in (``dim_att``, ``dim_ffn``, ``with_cp``...).
-Unlike the original, loading a config sets no environment variables: kernel sizes
-come from the tensors at call time.
+The original passes one ``args`` object around (argparse or ``load_model_configs``), and
+``Text_RWKV(args)`` reads its fields directly. We keep that contract (attribute access
+such as ``args.image_embed_dims``), but the object is a dataclass with one typed field
+per key of the published JSONs, and building one checks everything a model relies on:
+
+* an unknown key is an error naming it and the closest known key (a misspelt
+  ``image_embed_dim`` used to be kept and ignored, training the default width);
+* a value of the wrong type or outside its range is an error naming key, value and
+  what was expected (``image_depth: "twelve"`` used to fail deep inside the image tower);
+* cross-field rules (equal tower widths, widths divisible by heads...) are checked once
+  the derived defaults the original fills in (``dim_att``, ``dim_ffn``, ``head_size``
+  from ``text_num_head``) are in place.
+
+:func:`complete_args` turns any namespace or dict into a new :class:`ModelArgs` and never
+changes its input; ``create_RWKV_Model`` calls it once per build. Unlike the original,
+loading a config sets no environment variables: kernel sizes come from the tensors.
 """
 from __future__ import annotations
 
+import difflib
 import json
+from collections.abc import Mapping
+from dataclasses import InitVar, dataclass, field, fields
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
+
 from .errors import ConfigError
+from .precision import PRECISIONS
 
 # Where the published and small configs live: the source checkout's model_config/,
 # shipped inside the wheel as the package rwkv_clip.model_config.
 _CHECKOUT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_config"
 
-# Fields every model needs, with the original train.py defaults for the optional ones.
-DEFAULTS: dict[str, Any] = {
-    "precision": "bf16",
-    "dropout": 0.0,
-    "image_hidden_rate": 4,
-    "image_output_cls_token": False,
-    "image_with_cls_token": False,
-    "drop_path_rate": 0.0,
-    "ctx_len": 77,
-    "vocab_size": 49408,
-    "text_initialization": True,
-    "head_size": 64,
-    "text_num_head": 0,
-    "pos_emb": 0,
-    "head_size_divisor": 8,
-    "dim_att": 0,
-    "dim_ffn": 0,
-    "head_qk": 0,
-    "tiny_att_dim": 0,
-    "tiny_att_layer": -999,
-    "with_cp": False,
-}
-IMAGE_REQUIRED = ("input_size", "image_depth", "image_embed_dims", "image_patch_size",
-                  "image_num_heads")
-TEXT_REQUIRED = ("n_layer", "n_embd")
+# The original train.py's --data-type choices (it validated the value and ignored it).
+DATA_TYPES = ("utf-8", "utf-16le", "numpy", "binidx", "dummy", "uint16")
+
+_NO_DEFAULT = object()
 
 
-class ModelArgs(SimpleNamespace):
-    """Attribute namespace for model settings (what the original calls ``args``)."""
+def _key(kind: str, default: Any = _NO_DEFAULT, *, low: float | None = None,
+         below: float | None = None, choices: tuple[str, ...] | None = None,
+         optional: bool = False) -> Any:
+    """A config field: its JSON type (``int``, ``float``, ``bool``, ``str``) and range.
+
+    ``low`` is inclusive, ``below`` exclusive; ``optional`` allows None (an image field
+    of a text-only config).
+    """
+    meta = {"kind": kind, "low": low, "below": below, "choices": choices,
+            "optional": optional}
+    if default is _NO_DEFAULT:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _expectation(meta: Mapping[str, Any]) -> str:
+    kind = meta["kind"]
+    if kind == "bool":
+        return "a JSON boolean (true or false)"
+    if meta["choices"] is not None:
+        return "one of " + ", ".join(meta["choices"])
+    noun = "an integer" if kind == "int" else "a number"
+    low, below = meta["low"], meta["below"]
+    if low is not None and below is not None:
+        return f"{noun} in [{low:g}, {below:g})"
+    if low is not None:
+        return f"{noun} >= {low:g}"
+    return noun
+
+
+def _check_value(name: str, value: Any, meta: Mapping[str, Any], source: str) -> Any:
+    """``value`` if it fits ``meta`` (ints given for floats become floats), else raise."""
+    if value is None and meta["optional"]:
+        return None
+    kind = meta["kind"]
+    # bool is a subclass of int in Python; a JSON true is never a width or a rate.
+    ok = {"bool": isinstance(value, bool),
+          "int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "str": isinstance(value, str)}[kind]
+    if ok and meta["choices"] is not None:
+        ok = value in meta["choices"]
+    if ok and kind in ("int", "float"):
+        ok = ((meta["low"] is None or value >= meta["low"])
+              and (meta["below"] is None or value < meta["below"]))
+    if not ok:
+        raise ConfigError(f"{source}: {name} = {value!r}: expected {_expectation(meta)}")
+    return float(value) if kind == "float" else value
+
+
+@dataclass
+class ModelArgs:
+    """The settings of one RWKV-CLIP model (what the original calls ``args``).
+
+    Field names, meanings and defaults are the original's (its train.py flags and the
+    keys of model_config/*.json). Constructing one validates it; ``source`` (the file or
+    flag set it came from) only labels error messages, and ``with_image=False`` accepts a
+    text-only config (for a bare ``Text_RWKV``).
+    """
+
+    # text tower (required)
+    n_layer: int = _key("int", low=1)
+    n_embd: int = _key("int", low=1)
+    # image tower (required for the CLIP model)
+    input_size: int | None = _key("int", None, low=1, optional=True)
+    image_depth: int | None = _key("int", None, low=1, optional=True)
+    image_embed_dims: int | None = _key("int", None, low=1, optional=True)
+    image_patch_size: int | None = _key("int", None, low=1, optional=True)
+    image_num_heads: int | None = _key("int", None, low=1, optional=True)
+    image_hidden_rate: int = _key("int", 4, low=1)
+    image_output_cls_token: bool = _key("bool", False)
+    image_with_cls_token: bool = _key("bool", False)
+    drop_path_rate: float = _key("float", 0.0, low=0, below=1)
+    # text tower
+    ctx_len: int = _key("int", 77, low=1)
+    vocab_size: int = _key("int", 49408, low=1)
+    text_initialization: bool = _key("bool", True)
+    head_size: int = _key("int", 64, low=1)
+    text_num_head: int = _key("int", 0, low=0)  # > 0: head_size = n_embd / text_num_head
+    pos_emb: int = _key("int", 0, low=0)
+    head_size_divisor: int = _key("int", 8, low=1)
+    dim_att: int = _key("int", 0, low=0)  # 0: n_embd
+    dim_ffn: int = _key("int", 0, low=0)  # 0: 3.5 x n_embd rounded down to 32
+    head_qk: int = _key("int", 0, low=0)
+    tiny_att_dim: int = _key("int", 0, low=0)
+    tiny_att_layer: int = _key("int", -999)
+    dropout: float = _key("float", 0.0, low=0, below=1)
+    # run settings the JSONs carry (train.py's flags fall back to them)
+    precision: str = _key("str", "bf16", choices=PRECISIONS)
+    with_cp: bool = _key("bool", False)  # activation checkpointing in both towers
+    workers: int = _key("int", 10, low=0)
+    data_type: str = _key("str", "utf-8", choices=DATA_TYPES)
+
+    source: InitVar[str] = "model config"
+    with_image: InitVar[bool] = True
+
+    def __post_init__(self, source: str, with_image: bool) -> None:
+        for f in fields(self):
+            setattr(self, f.name, _check_value(f.name, getattr(self, f.name), f.metadata,
+                                               source))
+        # the original's derived defaults
+        if self.dim_att == 0:
+            self.dim_att = self.n_embd
+        if self.dim_ffn == 0:
+            self.dim_ffn = int((self.n_embd * 3.5) // 32 * 32)
+        if self.text_num_head:
+            _require(self.n_embd % self.text_num_head == 0, source,
+                     f"n_embd = {self.n_embd} must be divisible by text_num_head = "
+                     f"{self.text_num_head}")
+            self.head_size = self.n_embd // self.text_num_head
+        _validate_text(self, source)
+        missing = [k for k in IMAGE_REQUIRED if getattr(self, k) is None]
+        if with_image and missing:
+            raise ConfigError(f"{source}: missing required key(s) {missing}")
+        if not missing:
+            _validate_image(self, source)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
+        """Every field by name (JSON-safe: ints, floats, bools, strings, None)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any], source: str = "model config",
+                  with_image: bool = True) -> ModelArgs:
+        """Validate ``params`` (JSON keys -> values) into a new ``ModelArgs``."""
+        unknown = [k for k in params if k not in KEYS]
+        if unknown:
+            raise ConfigError(_unknown_key_message(unknown[0], source))
+        missing = [k for k in TEXT_REQUIRED if k not in params]
+        if missing:
+            raise ConfigError(f"{source}: missing required key(s) {missing}")
+        return cls(**params, source=source, with_image=with_image)
+
+
+KEYS = tuple(f.name for f in fields(ModelArgs))
+TEXT_REQUIRED = ("n_layer", "n_embd")
+IMAGE_REQUIRED = ("input_size", "image_depth", "image_embed_dims", "image_patch_size",
+                  "image_num_heads")
+
+
+def _unknown_key_message(key: str, source: str) -> str:
+    close = difflib.get_close_matches(str(key), KEYS, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(KEYS)}"
+    return f"unknown key {key!r} in {source}; {hint}"
+
+
+def _require(condition: bool, source: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{source}: {message}")
+
+
+def _validate_text(args: ModelArgs, source: str) -> None:
+    """The constraints the text tower relies on, naming the offending keys."""
+    for key in ("n_embd", "dim_att", "dim_ffn"):
+        value = getattr(args, key)
+        _require(value % 32 == 0, source, f"{key} = {value}: expected a multiple of 32")
+    _require(args.dim_att % args.head_size == 0, source,
+             f"dim_att = {args.dim_att} must be divisible by head_size = {args.head_size}")
+    _require(args.head_size % 4 == 0, source,
+             f"head_size = {args.head_size}: expected a multiple of 4 (the token shift "
+             "splits each head into quarters)")
+    if args.tiny_att_dim > 0:
+        _require(0 <= args.tiny_att_layer < args.n_layer, source,
+                 f"tiny_att_layer = {args.tiny_att_layer}: with tiny_att_dim > 0 expected a "
+                 f"text block index in [0, {args.n_layer}) (else no block has the attention)")
+
+
+def _validate_image(args: ModelArgs, source: str) -> None:
+    """The constraints the image tower and the CLIP head rely on."""
+    _require(args.image_embed_dims == args.n_embd, source,
+             f"image_embed_dims = {args.image_embed_dims} must equal n_embd = {args.n_embd}: "
+             "RWKV-CLIP has no projection layers, so both towers share one width")
+    _require(args.image_embed_dims % args.image_num_heads == 0, source,
+             f"image_embed_dims = {args.image_embed_dims} must be divisible by "
+             f"image_num_heads = {args.image_num_heads}")
+    image_head = args.image_embed_dims // args.image_num_heads
+    _require(image_head % 4 == 0, source,
+             f"image head size {image_head} (image_embed_dims / image_num_heads): expected a "
+             "multiple of 4 (the q-shift splits each head into quarters)")
+    # input_size need not be a multiple of image_patch_size: the patch embedding pads
+    # the bottom/right edge as the original's (mmcv "corner" adaptive padding).
+    _require(args.image_with_cls_token or not args.image_output_cls_token, source,
+             "image_output_cls_token = true needs image_with_cls_token = true")
 
 
 def config_dir() -> Path:
@@ -82,85 +253,31 @@ FALSE_WORDS = ("false", "0", "no", "n", "off")
 
 
 def parse_bool(value: Any) -> bool | None:
-    """True/False/1/0 (also yes/no, on/off) the way the original's scripts pass booleans;
-    None for anything else."""
+    """True/False/1/0 (also yes/no, on/off) the way the original's launch scripts pass
+    boolean flags; None for anything else. (Config files take JSON booleans only: the
+    published ones use them.)"""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
     return True if text in TRUE_WORDS else False if text in FALSE_WORDS else None
 
 
-def _as_bool(name: str, value: Any) -> bool:
-    parsed = parse_bool(value)
-    if parsed is None:
-        raise ConfigError(f"config field {name!r} must be a boolean (True/False/1/0), got {value!r}")
-    return parsed
+def complete_args(args: Any, source: str = "model args", with_image: bool = True) -> ModelArgs:
+    """A new validated :class:`ModelArgs` from ``args`` (a ``ModelArgs``, any attribute
+    namespace such as argparse's or ``SimpleNamespace``, or a dict), with the original's
+    derived defaults filled in; ``args`` itself is left as it was.
 
-
-def complete_args(args: Any, source: str = "config", with_image: bool = True) -> Any:
-    """Fill the original's derived defaults into ``args`` in place and validate it.
-
-    ``with_image=False`` checks only the text fields (for a bare ``Text_RWKV(args)``).
+    ``with_image=False`` accepts a text-only config (for a bare ``Text_RWKV(args)``).
     """
-    for key, value in DEFAULTS.items():
-        if not hasattr(args, key):
-            setattr(args, key, value)
-    required = TEXT_REQUIRED + (IMAGE_REQUIRED if with_image else ())
-    missing = [k for k in required if not hasattr(args, k)]
-    if missing:
-        raise ConfigError(f"{source}: missing required field(s) {missing}")
-    for key in ("image_output_cls_token", "image_with_cls_token", "text_initialization", "with_cp"):
-        setattr(args, key, _as_bool(key, getattr(args, key)))
-    if not args.dim_att or args.dim_att <= 0:
-        args.dim_att = args.n_embd
-    if not args.dim_ffn or args.dim_ffn <= 0:
-        args.dim_ffn = int((args.n_embd * 3.5) // 32 * 32)
-    if args.text_num_head:
-        if args.n_embd % args.text_num_head:
-            raise ConfigError(f"{source}: n_embd {args.n_embd} not divisible by text_num_head "
-                              f"{args.text_num_head}")
-        args.head_size = args.n_embd // args.text_num_head
-    validate_text_args(args, source)
-    if with_image:
-        validate_image_args(args, source)
-    return args
-
-
-def validate_image_args(args: Any, source: str = "config") -> None:
-    """Check the constraints the image tower and the CLIP head rely on."""
-    def fail(msg: str):
-        raise ConfigError(f"{source}: {msg}")
-
-    if args.image_embed_dims != args.n_embd:
-        fail(f"image_embed_dims ({args.image_embed_dims}) must equal n_embd ({args.n_embd}): "
-             "RWKV-CLIP has no projection layers, so both towers share one width")
-    if args.image_embed_dims % args.image_num_heads:
-        fail(f"image_embed_dims {args.image_embed_dims} not divisible by image_num_heads "
-             f"{args.image_num_heads}")
-    image_head = args.image_embed_dims // args.image_num_heads
-    if image_head % 4:
-        fail(f"image head size {image_head} (image_embed_dims / image_num_heads) must be a "
-             "multiple of 4 (the q-shift splits each head into quarters)")
-    # input_size need not be a multiple of image_patch_size: the patch embedding pads
-    # the bottom/right edge as the original's (mmcv "corner" adaptive padding).
-    if args.image_output_cls_token and not args.image_with_cls_token:
-        fail("image_output_cls_token needs image_with_cls_token")
-
-
-def validate_text_args(args: Any, source: str = "config") -> None:
-    """Check the constraints the text tower relies on, naming the offending field."""
-    def fail(msg: str):
-        raise ConfigError(f"{source}: {msg}")
-
-    for key in ("n_embd", "dim_att", "dim_ffn"):
-        if getattr(args, key) % 32:
-            fail(f"{key} = {getattr(args, key)} must be a multiple of 32")
-    if args.dim_att % args.head_size:
-        fail(f"dim_att {args.dim_att} not divisible by head_size {args.head_size}")
-    if args.head_size % 4:
-        fail(f"text head_size {args.head_size} must be a multiple of 4")
-    if args.precision not in ("fp32", "tf32", "fp16", "bf16"):
-        fail(f"precision {args.precision!r} must be one of fp32, tf32, fp16, bf16")
+    if isinstance(args, Mapping):
+        params = dict(args)
+    else:
+        try:
+            params = dict(vars(args))  # a ModelArgs too: its fields and any attribute set
+        except TypeError:
+            raise ConfigError(f"{source}: expected a model config (ModelArgs, a namespace "
+                              f"or a dict), got {type(args).__name__}") from None
+    return ModelArgs.from_dict(params, source=source, with_image=with_image)
 
 
 def read_config_json(config_path: str | Path) -> tuple[dict[str, Any], Path]:
@@ -178,8 +295,9 @@ def read_config_json(config_path: str | Path) -> tuple[dict[str, Any], Path]:
 def load_model_configs(config_path: str | Path) -> ModelArgs:
     """Read a model-config JSON (path or shipped name) into a validated ``ModelArgs``."""
     params, path = read_config_json(config_path)
-    return complete_args(ModelArgs(**params), source=f"model config {path}")
+    return ModelArgs.from_dict(params, source=f"model config {path}")
 
 
-def model_args_from_dict(params: dict[str, Any], source: str = "config") -> ModelArgs:
-    return complete_args(ModelArgs(**params), source=source)
+def model_args_from_dict(params: Mapping[str, Any], source: str = "model config") -> ModelArgs:
+    """Validate a dict of config keys (a JSON's or a checkpoint's) into a ``ModelArgs``."""
+    return ModelArgs.from_dict(params, source=source)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -53,7 +54,7 @@ class DistInfo:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
 
-def _env_int(env: dict, name: str, default: int) -> int:
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
     value = env.get(name)
     if value is None or value == "":
         return default
@@ -77,11 +78,12 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
-def launch_environment(env: dict | None = None) -> tuple[str, int, int, int]:
+def launch_environment(environ: Mapping[str, str] | None = None
+                       ) -> tuple[str, int, int, int]:
     """``(launcher, rank, local_rank, world_size)`` from torchrun's or SLURM's variables.
 
     torchrun's variables win when both are present (``srun torchrun ...``)."""
-    env = os.environ if env is None else env
+    env: Mapping[str, str] = os.environ if environ is None else environ
     if "WORLD_SIZE" in env or "RANK" in env:
         launcher = "torchrun"
         world_size = _env_int(env, "WORLD_SIZE", 1)
@@ -101,7 +103,7 @@ def launch_environment(env: dict | None = None) -> tuple[str, int, int, int]:
     return launcher, rank, local_rank, world_size
 
 
-def _slurm_rendezvous(env: dict) -> None:
+def _slurm_rendezvous(env: MutableMapping[str, str]) -> None:
     """MASTER_ADDR / MASTER_PORT for a plain ``srun`` launch, unless already set."""
     if not env.get("MASTER_ADDR"):
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
@@ -150,11 +152,11 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Dis
     if world_size > 1:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if launcher == "slurm":
-            _slurm_rendezvous(os.environ)  # type: ignore[arg-type]
+            _slurm_rendezvous(os.environ)
         if not dist.is_initialized():
-            kwargs = {"device_id": dev} if dev.type == "cuda" else {}
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                    timeout=timedelta(minutes=timeout_minutes), **kwargs)
+                                    timeout=timedelta(minutes=timeout_minutes),
+                                    device_id=dev if dev.type == "cuda" else None)
         else:
             backend = dist.get_backend()
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev,

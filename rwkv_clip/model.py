@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import complete_args
+from .config import ModelArgs, complete_args
+from .errors import CheckpointError
 from .image_rwkv import Image_RWKV
 from .text_rwkv import Text_RWKV
-from .errors import CheckpointError
 
 
 class get_model(nn.Module):  # noqa: N801 - the original's public name
@@ -66,7 +66,7 @@ class get_model(nn.Module):  # noqa: N801 - the original's public name
 RWKVCLIP = get_model  # a descriptive alias
 
 
-def build_image_tower(args: Any) -> Image_RWKV:
+def build_image_tower(args: ModelArgs) -> Image_RWKV:
     return Image_RWKV(img_size=args.input_size,
                       patch_size=args.image_patch_size,
                       embed_dims=args.image_embed_dims,
@@ -75,14 +75,17 @@ def build_image_tower(args: Any) -> Image_RWKV:
                       num_heads=args.image_num_heads,
                       output_cls_token=args.image_output_cls_token,
                       with_cls_token=args.image_with_cls_token,
-                      drop_path_rate=getattr(args, "drop_path_rate", 0.0),
-                      with_cp=getattr(args, "with_cp", False))
+                      drop_path_rate=args.drop_path_rate,
+                      with_cp=args.with_cp)
 
 
 def create_RWKV_Model(args: Any, model_weight_path: str | os.PathLike | None = None,
                       map_location: str | torch.device | None = None) -> get_model:
     """Build RWKV-CLIP from a config namespace (``load_model_configs``) and optionally load
-    weights (our checkpoints or the original's, ``module.``/``_orig_mod.`` prefixes ok)."""
+    weights (our checkpoints or the original's, ``module.``/``_orig_mod.`` prefixes ok).
+
+    ``args`` is validated once here into a new ``ModelArgs`` (the towers share it, and
+    ``set_grad_checkpointing`` changes only that copy, never the caller's object)."""
     args = complete_args(args, source="model args")
     image_tower = build_image_tower(args)  # image first: the original's random-draw order
     text_tower = Text_RWKV(args)

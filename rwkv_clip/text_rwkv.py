@@ -13,7 +13,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
-from .config import complete_args
+from .config import ModelArgs, complete_args
 from .layers import bidirectional_shift_multihead
 from .layers.time_mix import (TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM, TimeMixBase,
                               fancy_bonus_init, fancy_decay_init, fancy_time_mix_init)
@@ -201,13 +201,20 @@ def _init_matrix(name: str, shape: tuple[int, int], generator) -> torch.Tensor:
 class Text_RWKV(nn.Module):
     def __init__(self, args) -> None:
         super().__init__()
-        self.args = complete_args(args, source="Text_RWKV args", with_image=False)
+        # a ModelArgs is validated when built (create_RWKV_Model passes its one copy)
+        self.args = args = (args if isinstance(args, ModelArgs) else
+                            complete_args(args, source="Text_RWKV args", with_image=False))
         self.emb = nn.Embedding(args.vocab_size, args.n_embd)
         self.blocks = nn.ModuleList(Block(args, i) for i in range(args.n_layer))
         self.ln_out = nn.LayerNorm(args.n_embd)
         if args.head_qk > 0:
             self.head_q = nn.Linear(args.n_embd, args.head_qk, bias=False)
             self.head_k = nn.Linear(args.n_embd, args.head_qk, bias=False)
+            # The original's LM copy head: kept so its checkpoints load, but the CLIP
+            # text feature never uses it. Frozen, it is outside DDP's gradient reduction
+            # (find_unused_parameters=False would fail on parameters that get no grad).
+            self.head_q.requires_grad_(False)
+            self.head_k.requires_grad_(False)
             self.register_buffer("copy_mask", torch.tril(torch.ones(args.ctx_len, args.ctx_len)))
         if args.dropout > 0:
             self.drop0 = nn.Dropout(p=args.dropout)

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import rwkv_clip.layers.time_mix as time_mix  # noqa: E402
-from rwkv_clip.memory import (PeakRSS, _build, _rss_kib, make_step,  # noqa: E402
+from rwkv_clip.memory import (PeakRSS, build_model, make_step, rss_kib,  # noqa: E402
                               synthetic_batch, training_peak)
 
 
@@ -127,8 +127,8 @@ def main(argv=None) -> int:
         ap.error("--steps must be at least 1")
     device = torch.device(ns.device)
 
-    rss_before_kib = _rss_kib()
-    args, model = _build(config, device, ns.checkpointing, ns.wkv_backend)
+    rss_before_kib = rss_kib()
+    args, model = build_model(config, device, ns.checkpointing, ns.wkv_backend)
     model.train()
     images, tokens = synthetic_batch(args, batch, device)
     step = make_step(model, precision, device.type)

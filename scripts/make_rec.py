@@ -5,10 +5,12 @@ Examples:
   python scripts/make_rec.py pairs.jsonl out/train            # out/train.rec + .idx
   python scripts/make_rec.py pairs.csv out/train --resize 256
   python scripts/make_rec.py img2dataset_out/ out/train --format wds --shard-size 5000
+  python scripts/make_rec.py 'yfcc15m/data/train-*.parquet' out/yfcc15m    # parquet
 
 Input: JSONL/CSV with ``image`` (path), ``raw`` caption, optional ``synthetic`` and
-``generated``; or a folder of img2dataset ``NNNNN.tar`` shards. See
-rwkv_clip/data/writers.py for details.
+``generated``; a folder of img2dataset ``NNNNN.tar`` shards; or parquet shards (file,
+glob, brace list or folder; img2dataset parquet or the Hub's YFCC15M layout, columns
+overridden with --image-column / --caption-columns). See rwkv_clip/data/writers.py.
 """
 
 import argparse
@@ -18,25 +20,28 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rwkv_clip.data import DataError, convert  # noqa: E402
+from rwkv_clip.data import convert  # noqa: E402
+from rwkv_clip.errors import run_cli  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("input", help="JSONL/CSV of pairs, or a folder of img2dataset .tar shards")
+    p.add_argument("input", help="JSONL/CSV of pairs, a folder of img2dataset .tar shards, or "
+                                 "parquet shards (file, glob, brace list or folder)")
     p.add_argument("output", help="output prefix (PREFIX.rec/.idx, or PREFIX-000000.tar...)")
     p.add_argument("--format", choices=["rec", "wds"], default="rec")
     p.add_argument("--resize", type=int, default=None,
                    help="shrink so the shorter side is at most this many pixels")
     p.add_argument("--shard-size", type=int, default=1000, help="samples per wds shard")
+    p.add_argument("--image-column", default=None,
+                   help="parquet image column (default: jpg, images, image or img)")
+    p.add_argument("--caption-columns", default=None, metavar="RAW[,SYN[,GEN]]",
+                   help="parquet caption columns (default: caption, texts or text)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    try:
-        s = convert(a.input, a.output, fmt=a.format, resize=a.resize,
-                    shard_size=a.shard_size, progress=not a.no_progress)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    s = convert(a.input, a.output, fmt=a.format, resize=a.resize, shard_size=a.shard_size,
+                progress=not a.no_progress, image_column=a.image_column,
+                caption_columns=a.caption_columns)
     print(f"written: {s['written']}  skipped: {s['skipped']}")
     for reason, n in sorted(s["reasons"].items(), key=lambda x: -x[1]):
         print(f"  {n:8d}  {reason}")
@@ -48,4 +53,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main, prog="make_rec.py"))

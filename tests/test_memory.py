@@ -11,8 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
-from rwkv_clip.memory import (activation_segments, estimate, make_step, measure,
-                              parameter_table, synthetic_batch, training_peak)
+from rwkv_clip.memory import (
+    activation_segments,
+    estimate,
+    make_step,
+    measure,
+    parameter_table,
+    synthetic_batch,
+    training_peak,
+)
+from rwkv_clip.memory.cli import run as run_planner
+from rwkv_clip.memory.measure import MeasurementError, MeasureSpec
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +42,41 @@ def test_parameters_match_model_exactly(tiny):
     assert table.count() == sum(p.numel() for p in model.parameters())
     assert table.nbytes() == _model_bytes(model)  # bf16 time_decay/time_faaaa included
     assert table.largest_bytes() == max(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["small", pytest.param("B32", marks=pytest.mark.slow)])
+def test_meta_parameter_table_equals_real_model(repo_root, name):
+    """The table read from the meta-device build has the real model's names, sizes and
+    dtypes (building B/32 for real takes a while: slow)."""
+    args = load_model_configs(str(repo_root / "model_config" / f"RWKV_CLIP_{name}.json"))
+    model = create_RWKV_Model(args)
+    real = [(n, p.numel(), p.element_size()) for n, p in model.named_parameters()]
+    table = parameter_table(args)
+    assert [(n, k) for n, k, _ in table.items] == [(n, k) for n, k, _ in real]
+    assert table.count() == sum(k for _, k, _ in real)
+    assert table.nbytes() == sum(k * size for _, k, size in real)
+
+
+def test_every_parameter_belongs_to_a_segment(tiny):
+    """The segments' gradient bytes add up to all parameters: each parameter name is
+    attributed to the embedding, a block, a head or the loss."""
+    _, args, model = tiny
+    plan = activation_segments(args, 2, None, "cpu")
+    assert sum(s.grad_bytes for s in plan.segments) == _model_bytes(model)
+    assert all(s.grad_bytes > 0 for s in plan.segments)
+
+
+def test_step_uses_the_trainers_settings(tiny):
+    """AdamW, weight decay, betas and the fp16 GradScaler are the trainer's defaults
+    (train.py: --weight-decay 0.1, --beta1 0.9, --beta2 0.98; scaler init 128, growth
+    interval 200)."""
+    _, _, model = tiny
+    step = make_step(model, "fp32", "cpu")
+    assert isinstance(step.optimizer, torch.optim.AdamW) and step.scaler is None
+    group = step.optimizer.param_groups[0]
+    assert group["weight_decay"] == 0.1 and group["betas"] == (0.9, 0.98)
+    scaler = make_step(model, "fp16", "cpu").scaler
+    assert scaler.get_scale() == 128.0 and scaler.get_growth_interval() == 200
 
 
 def test_published_parameter_counts(repo_root):
@@ -101,7 +145,7 @@ def test_gradient_accumulation_divides_activations(tiny):
     _, args, _ = tiny
     full = activation_segments(args, 64, "bf16", "cuda")
     quarter = activation_segments(args, 16, "bf16", "cuda")
-    for a, b in zip(full.segments, quarter.segments):
+    for a, b in zip(full.segments, quarter.segments, strict=True):
         if a.name.startswith(("image.block", "text.block")):
             # per-sample tensors: 4x the samples, 4x the bytes (up to the few (C,)-sized
             # tensors like the image channel mix's 1 - spatial_mix)
@@ -148,6 +192,39 @@ def test_cli_json(repo_root):
         assert est[key] > 0
     assert set(est["max_batch"]) == {"T4 16GB", "L4 24GB", "A100 40GB", "A100 80GB",
                                      "H100 80GB", "H200 141GB"}
+
+
+@pytest.mark.parametrize("argv, culprit", [
+    (["--config", "no_such_config.json"], "no_such_config.json"),
+    (["--config", "RWKV_CLIP_tiny", "--batch-size", "0"], "--batch-size"),
+    (["--config", "RWKV_CLIP_tiny", "--batch-size", "ten"], "--batch-size"),
+    (["--config", "RWKV_CLIP_tiny", "--batch-size", "30", "--gradient-acc", "4"],
+     "--gradient-acc"),
+    (["--config", "RWKV_CLIP_tiny", "--precision", "fp8"], "fp8"),
+    (["--config", "RWKV_CLIP_tiny", "--measure", "--gpus", "2"], "--gpus"),
+    (["--config", "RWKV_CLIP_tiny", "--no-such-flag"], "--no-such-flag"),
+])
+def test_cli_user_errors_are_one_line(capsys, argv, culprit):
+    assert run_planner(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m rwkv_clip.memory: error:"), err
+    assert culprit in err[0]
+
+
+def test_cli_bad_config_json_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"image_depth": ')
+    assert run_planner(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.json" in err[0]
+
+
+def test_measure_spec_round_trips_and_worker_failure_is_reported(tmp_path):
+    spec = MeasureSpec("RWKV_CLIP_tiny", 4, "bf16", True, "cpu", "inference", "torch")
+    assert MeasureSpec.from_json(spec.to_json()) == spec
+    # the worker process fails (no such config): the parent raises with the child's stderr
+    with pytest.raises(MeasurementError, match="not found"):
+        measure(str(tmp_path / "missing.json"), 2, "fp32", False, "cpu", timeout=300)
 
 
 @pytest.mark.slow

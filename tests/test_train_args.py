@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from rwkv_clip import load_model_configs
 from rwkv_clip.train.args import parse_args, str2bool
 from train_util import REPO, TINY_CONFIG
 
@@ -30,7 +31,8 @@ def test_original_launch_script_flags_mean_the_b32_model():
                 "vocab_size", "head_size", "head_size_divisor", "n_layer", "n_embd",
                 "dim_att", "dim_ffn", "image_output_cls_token", "image_with_cls_token"):
         assert getattr(args, key) == b32[key], key
-    assert args.model_config["n_embd"] == 640
+    assert args.model_config == {k: v for k, v in load_model_configs("RWKV_CLIP_B32").to_dict()
+                                 .items() if k not in ("workers", "data_type")}
     assert (args.batch_size, args.epochs, args.lr, args.weight_decay) == (512, 32, 1e-3, 0.2)
     assert (args.beta1, args.beta2, args.optimizer, args.lr_scheduler) == (0.9, 0.98, "adamw",
                                                                           "cosine")
@@ -79,7 +81,7 @@ def test_bare_boolean_flag_means_true():
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--horovod"], "horovod is not supported"),
     (["--data-format", "rec"], "needs --train-data"),
-    (["--n-embd", "128"], "must equal n_embd"),
+    (["--n-embd", "256"], "must equal n_embd"),
     (["--config", "no_such_config.json"], "not found"),
     (["--lock-image", "--lock-text"], "unlock one tower"),
     (["--resume", "latest", "--pretrained", "x.pt"], "exclude each other"),

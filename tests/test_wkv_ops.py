@@ -6,9 +6,13 @@ import shutil
 import pytest
 import torch
 
-from rwkv_clip.ops import (BACKEND_ENV_VAR, WKVError, wkv6_bidirectional,
-                           wkv6_bidirectional_reference)
-from rwkv_clip.ops import build
+from rwkv_clip.ops import (
+    BACKEND_ENV_VAR,
+    WKVError,
+    build,
+    wkv6_bidirectional,
+    wkv6_bidirectional_reference,
+)
 
 HAS_GPU = torch.cuda.is_available()
 HAS_NVCC = build.find_cuda_home() is not None and torch.version.cuda is not None
@@ -162,6 +166,8 @@ def test_backend_argument_and_env(monkeypatch):
     y = wkv6_bidirectional(*inputs)
     assert y.dtype == torch.float64  # only the reference keeps float64
     monkeypatch.setenv(BACKEND_ENV_VAR, "bogus")
+    from rwkv_clip.ops import reset_backend_override
+    reset_backend_override()
     with pytest.raises(WKVError, match="bogus"):
         wkv6_bidirectional(*inputs)
     # the argument wins over the environment
@@ -445,16 +451,276 @@ def test_two_processes_build_the_same_kernel_into_a_fresh_cache(tmp_path):
         assert p.returncode == 0 and "OK" in out, out[-3000:]
 
 
-def test_stale_build_lock_is_removed_fresh_one_kept(tmp_path):
+# ------------------------------------------------------- cache keys, locks, failed builds
+def _spec(folder, **kw):
+    fields = dict(what="test kernel", base_name="rwkv_clip_test",
+                  sources=(folder / "wkv6_op.cpp", folder / "wkv6_cuda.cu"),
+                  headers=(folder / "wkv6_common.cuh",), cflags=("-O3",),
+                  cuda_cflags=("-O3",), arch_list="8.0;9.0+PTX")
+    fields.update(kw)
+    return build.KernelSpec(**fields)
+
+
+def _copy_sources(dst):
+    dst.mkdir()
+    for name in ("wkv6_op.cpp", "wkv6_cuda.cu", "wkv6_common.cuh"):
+        shutil.copy(build.source_dir() / name, dst / name)
+    return dst
+
+
+def test_cache_key_follows_sources_header_and_flags(tmp_path):
+    a = _copy_sources(tmp_path / "checkout_a")
+    b = _copy_sources(tmp_path / "checkout_b")
+    key = _spec(a).key()
+    assert _spec(a).key() == key          # identical inputs, identical folder
+    assert _spec(b).key() == key          # a second checkout with the same sources shares it
+    assert _spec(a).name == f"rwkv_clip_test_{key}"
+    assert _spec(a, cflags=("-O2",)).key() != key
+    assert _spec(a, cuda_cflags=("-O3", "-DWKV_N=80")).key() != key
+    assert _spec(a, arch_list="8.0;9.0").key() != key
+    with open(b / "wkv6_common.cuh", "a") as f:
+        f.write("// an edit to the shared header only\n")
+    assert _spec(b).key() != key
+    assert _spec(a).key() == key          # checkout a is unaffected by b's edit
+    (a / "wkv6_cuda.cu").write_text((a / "wkv6_cuda.cu").read_text() + "\n")
+    assert _spec(a).key() != key
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="no CUDA toolkit (nvcc)")
+@pytest.mark.parametrize("variant", build.CUDA_VARIANTS)
+def test_cuda_spec_hashes_every_included_header(variant):
+    import re
+    spec = build.cuda_kernel_spec(64, 256, variant)
+    local_includes = set()
+    for src in spec.sources:
+        local_includes.update(re.findall(r'#include "([^"]+)"', src.read_text()))
+    assert local_includes == {"wkv6_common.cuh"}
+    assert {h.name for h in spec.headers} == local_includes
+    assert "-DWKV_N=64" in spec.cuda_cflags and spec.arch_list in spec.what
+
+
+def test_cuda_arch_list_without_gpu_ends_in_ptx(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    archs = build.cuda_arch_list()
+    assert archs == "7.5;8.0;9.0+PTX"
+    flags = build.cuda_gencode_flags(archs)
+    assert flags[-2:] == ["-gencode=arch=compute_90,code=sm_90",
+                          "-gencode=arch=compute_90,code=compute_90"]
+    assert "-gencode=arch=compute_75,code=sm_75" in flags
+    assert not any("compute_80,code=compute_80" in f for f in flags)  # PTX of the top arch only
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6 9.0a")  # the user's list, as given
+    assert build.cuda_arch_list() == "8.6;9.0a"
+    assert build.cuda_gencode_flags("9.0a") == ["-gencode=arch=compute_90a,code=sm_90a"]
+    with pytest.raises(WKVError, match="sm_80"):
+        build.cuda_gencode_flags("sm_80")
+
+
+def test_build_lock_held_too_long_times_out_naming_the_lock(tmp_path):
     import os
     import time
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    with pytest.warns(UserWarning, match="stale"):
-        old = time.time() - build.STALE_LOCK_SECONDS - 60
-        os.utime(lock, (old, old))
-        build._clear_stale_lock(tmp_path)
-    assert not lock.exists()
-    lock.write_text("")  # a build in progress: left alone
-    build._clear_stale_lock(tmp_path)
-    assert lock.exists()
+
+    from rwkv_clip.errors import KernelBuildError
+    lock = tmp_path / "build.lock"
+    with build.build_lock(lock, timeout=5):
+        t0 = time.monotonic()
+        with pytest.raises(KernelBuildError) as info:
+            with build.build_lock(lock, timeout=0.5):
+                pytest.fail("a second holder got the lock")
+        assert 0.4 < time.monotonic() - t0 < 5
+    msg = str(info.value)
+    assert str(lock) in msg and f"pid {os.getpid()}" in msg and build.LOCK_TIMEOUT_ENV_VAR in msg
+    with build.build_lock(lock, timeout=0.5):  # released on exit
+        pass
+
+
+def test_lock_of_a_killed_builder_does_not_block(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    lock = tmp_path / "build.lock"
+    code = ("import sys, time\nfrom pathlib import Path\nfrom rwkv_clip.ops import build\n"
+            f"with build.build_lock(Path({str(lock)!r}), 5):\n"
+            "    print('locked', flush=True); time.sleep(600)\n")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        from rwkv_clip.errors import KernelBuildError
+        with pytest.raises(KernelBuildError, match="build.lock"):
+            with build.build_lock(lock, timeout=0.3):
+                pass
+        os.kill(proc.pid, signal.SIGKILL)  # a builder killed mid-build
+        proc.wait(timeout=30)
+        t0 = time.monotonic()
+        with build.build_lock(lock, timeout=10):
+            pass
+        assert time.monotonic() - t0 < 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+@pytest.mark.parametrize("case", ["syntax error", "bogus flag"])
+def test_failed_compile_raises_kernel_build_error_with_compiler_output(
+        tmp_path, monkeypatch, capsys, case):
+    from rwkv_clip.errors import KernelBuildError
+    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "broken_kernel.cpp"
+    if case == "syntax error":
+        src.write_text("int broken_function( { return 0; }\n")
+        spec = build.KernelSpec(what="a test (syntax error)", base_name="rwkv_clip_test_syntax",
+                                sources=(src,))
+        expected = "broken_kernel.cpp"
+    else:
+        src.write_text("int fine_function() { return 0; }\n")
+        spec = build.KernelSpec(what="a test (bogus flag)", base_name="rwkv_clip_test_flag",
+                                sources=(src,), cflags=("-fno-such-flag-rwkv-clip",))
+        expected = "-fno-such-flag-rwkv-clip"
+    with pytest.raises(KernelBuildError) as info:
+        build.build_kernel(spec)
+    msg = str(info.value)
+    assert isinstance(info.value, WKVError)
+    assert spec.what in msg and "last lines of the compiler output" in msg
+    assert expected in msg.split("compiler output:", 1)[1]
+    assert "error" in msg.split("compiler output:", 1)[1].lower()
+    err = capsys.readouterr().err
+    assert err.count("building the WKV kernel for") == 1
+    assert f"building the WKV kernel for {spec.what} (first use)" in err
+    assert not (tmp_path / "cache" / spec.name / "built.json").exists()
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+def test_build_cli_failure_is_one_error_line_and_exit_2(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, RWKV_CLIP_KERNEL_CACHE=str(tmp_path / "cache"), CXX="false",
+               PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-m", "rwkv_clip.ops", "build", "--no-cuda"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and errors[0].startswith("python -m rwkv_clip.ops: error: ")
+    assert "building the WKV kernel for CPU" in errors[0]
+    assert "Traceback" not in res.stderr
+
+
+# ------------------------------------------------------- the op as a PyTorch operator
+@pytest.fixture(autouse=True)
+def _fresh_backend_override():
+    """The backend override is read once per process; every test starts from the env."""
+    from rwkv_clip.ops import reset_backend_override
+    reset_backend_override()
+    yield
+    reset_backend_override()
+
+
+def _op_inputs(B, T, H, N, dtypes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = H * N
+    xs = [torch.randn(B, T, C, generator=g), torch.randn(B, T, C, generator=g) * 0.5,
+          torch.randn(B, T, C, generator=g), torch.randn(B, T, C, generator=g) * 0.7 - 1.5,
+          torch.randn(H, N, generator=g) * 0.5]
+    return [x.to(dt) for x, dt in zip(xs, dtypes, strict=True)]
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+OP_CASES = [((2, 5, 2, 8), (F32,) * 5), ((1, 1, 1, 64), (F32,) * 5), ((2, 7, 1, 80), (F32,) * 5),
+            ((2, 4, 2, 12), (BF16, BF16, BF16, F32, BF16)), ((1, 3, 1, 32), (F16,) * 5)]
+
+
+@cpu_kernel
+@pytest.mark.parametrize("shape,dtypes", OP_CASES)
+def test_opcheck_cpu(shape, dtypes):
+    xs = [x.requires_grad_() for x in _op_inputs(*shape, dtypes)]
+    torch.library.opcheck(torch.ops.rwkv_clip.wkv6_forward.default, tuple(xs))
+    gy = torch.randn(shape[0], shape[1], shape[2] * shape[3])
+    torch.library.opcheck(torch.ops.rwkv_clip.wkv6_backward.default,
+                          tuple(x.detach() for x in xs) + (gy,))
+
+
+@pytest.mark.parametrize("dtypes", [(F32,) * 5, (BF16, BF16, BF16, F32, BF16), (F16,) * 5])
+def test_fake_tensors_give_shapes_and_dtypes_without_a_kernel(dtypes, monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def no_build(*a, **k):
+        raise AssertionError("fake / meta tensors must not build or run a kernel")
+
+    monkeypatch.setattr(build, "get_cpu_kernel", no_build)
+    monkeypatch.setattr(build, "get_cuda_kernel", no_build)
+    B, T, H, N = 3, 9, 2, 16
+    with FakeTensorMode():
+        xs = [x.requires_grad_() for x in _op_inputs(B, T, H, N, dtypes)]
+        y = wkv6_bidirectional(*xs)
+        assert y.shape == (B, T, H * N) and y.dtype == torch.float32
+        grads = torch.autograd.grad(y.sum(), xs)
+        for g, x in zip(grads, xs, strict=True):
+            assert g.shape == x.shape and g.dtype == x.dtype
+    with torch.device("meta"):  # what the memory planner uses
+        xs = _op_inputs(B, T, H, N, dtypes)
+    y = wkv6_bidirectional(*xs)
+    assert y.device.type == "meta" and y.shape == (B, T, H * N) and y.dtype == torch.float32
+    gs = torch.ops.rwkv_clip.wkv6_backward(*xs, torch.empty(B, T, H * N, device="meta"))
+    assert [(g.shape, g.dtype) for g in gs] == [(x.shape, x.dtype) for x in xs]
+
+
+@cpu_kernel
+def test_backend_override_is_read_once(monkeypatch):
+    from rwkv_clip.ops import reset_backend_override
+    inputs = make_inputs(1, 3, 1, 4, dtype=torch.float64, requires_grad=False)
+    monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
+    assert wkv6_bidirectional(*inputs).dtype == torch.float64   # the reference keeps float64
+    monkeypatch.setenv(BACKEND_ENV_VAR, "cpu")
+    assert wkv6_bidirectional(*inputs).dtype == torch.float64   # not looked up again
+    reset_backend_override()
+    assert wkv6_bidirectional(*inputs).dtype == torch.float32   # the native kernel
+
+
+def _model_step(model, image, text):
+    model.zero_grad(set_to_none=True)
+    image_features, text_features, logit_scale = model(image, text)
+    from rwkv_clip import ClipLoss
+    loss = ClipLoss()(torch.nn.functional.normalize(image_features, dim=-1),
+                      torch.nn.functional.normalize(text_features, dim=-1), logit_scale)
+    loss.backward()
+    grads = {name.removeprefix("_orig_mod."): p.grad.detach().clone()
+             for name, p in model.named_parameters() if p.grad is not None}
+    return image_features.detach(), text_features.detach(), loss.detach(), grads
+
+
+@pytest.mark.slow
+@cpu_kernel
+def test_compiled_model_matches_eager_with_no_graph_break():
+    """torch.compile(model, fullgraph=True) with inductor on CPU: forward and backward of
+    the tiny config equal to eager (fp32) within 1e-5; fullgraph makes any break an error."""
+    import sys
+    from pathlib import Path
+
+    import torch._dynamo
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_util import tiny_model
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    image = torch.randn(4, 3, 16, 16, generator=g)
+    text = torch.randint(1, 1000, (4, 77), generator=g)
+    text[:, 12:] = 0
+    eager = _model_step(model, image, text)
+    torch._dynamo.reset()
+    compiled_model = torch.compile(model, fullgraph=True, backend="inductor")
+    compiled = _model_step(compiled_model, image, text)
+    assert torch._dynamo.utils.counters["graph_break"] == {}
+    for name, a, b in zip(("image", "text", "loss"), compiled[:3], eager[:3], strict=True):
+        assert_close(a, b, 1e-5, name)
+    assert compiled[3].keys() == eager[3].keys() and len(eager[3]) > 10
+    for name, grad in eager[3].items():
+        assert_close(compiled[3][name], grad, 1e-5, f"grad {name}")

@@ -10,7 +10,9 @@ Public API:
 * :func:`dali_dataloader` - the original's DALI entry point.
 * :class:`DataError` - every data problem (file and record named in the message).
 * Writers/readers: :class:`RecordIOWriter`, :class:`RecordIOReader`, :func:`convert`,
-  :func:`write_rec`, :func:`write_wds`; tokens: :func:`encode_captions`.
+  :func:`write_rec`, :func:`write_wds`; tokens: :func:`encode_captions`,
+  :class:`CaptionTokens` (``--caption-tokens`` arrays); parquet shards:
+  :mod:`rwkv_clip.data.parquet` (``data_format='parquet'``, needs pyarrow when used).
 
 Importing this package has no side effects (DALI, open_clip and torch data workers
 are imported or started only when used).
@@ -18,8 +20,8 @@ are imported or started only when used).
 
 from .recordio import (DataError, IRHeader, RecordIOReader, RecordIOWriter, check_rec,
                        pack, unpack)
-from .tokens import (CONTEXT_LENGTH, NUM_LABELS, decode_tokens, encode_captions,
-                     encode_captions_batch, normalize_labels)
+from .tokens import (CONTEXT_LENGTH, NUM_LABELS, CaptionTokens, decode_tokens,
+                     encode_captions, encode_captions_batch, normalize_labels)
 from .writers import convert, write_rec, write_wds
 from .builtin import BuiltinDataset, ensure_builtin_dataset
 from .loader import build_eval_loader, build_train_loader
@@ -27,7 +29,7 @@ from .dali_pipeline import dali_available, dali_dataloader
 
 __all__ = [
     "DataError", "IRHeader", "RecordIOReader", "RecordIOWriter", "check_rec", "pack", "unpack",
-    "CONTEXT_LENGTH", "NUM_LABELS", "decode_tokens", "encode_captions",
+    "CONTEXT_LENGTH", "NUM_LABELS", "CaptionTokens", "decode_tokens", "encode_captions",
     "encode_captions_batch", "normalize_labels", "convert", "write_rec", "write_wds",
     "BuiltinDataset", "ensure_builtin_dataset", "build_train_loader", "build_eval_loader",
     "dali_available", "dali_dataloader",

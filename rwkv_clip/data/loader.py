@@ -4,8 +4,14 @@
 
 * ``train_data``   rec prefix (``X`` for ``X.rec``/``X.idx``), wds shard spec (folder,
   glob, brace pattern or ``::`` list), or for ``builtin`` an optional cache root;
-* ``data_format``  ``'rec'`` (default), ``'wds'`` or ``'builtin'`` (generated on first use,
-  see :mod:`rwkv_clip.data.builtin`; ``builtin_seed``, default 0, picks the set);
+* ``data_format``  ``'rec'`` (default), ``'wds'``, ``'parquet'`` (files, folder, glob or
+  brace list; read by :mod:`rwkv_clip.data.parquet`, always with the torch
+  ``DataLoader``) or ``'builtin'`` (generated on first use, see
+  :mod:`rwkv_clip.data.builtin`; ``builtin_seed``, default 0, picks the set);
+* ``image_column``, ``caption_columns`` (``'raw,synthetic,generated'``): parquet columns
+  (default: img2dataset's ``jpg``/``caption`` or YFCC15M's ``images``/``texts``);
+* ``caption_tokens``: a ``.npy`` of shape (N, 77 x k), row i = record / sample i, whose
+  captions replace the first k variants (any format; rec/wds then use the torch loader);
 * ``batch_size``, ``workers`` (default 2), ``input_size`` (default 224), ``seed`` (0);
 * ``skip_corrupt`` (False): skip and count bad records instead of raising DataError;
 * ``device`` (``'cuda'``/``'cpu'``), ``rank``/``world_size`` (else torchrun env, else 0/1),
@@ -32,9 +38,11 @@ from types import SimpleNamespace
 
 import torch
 
+from ..errors import TrainArgsError
 from .dali_pipeline import build_dali_loader, dali_available, dist_info
 from .recordio import DataError, check_rec
-from .torch_loader import RecSource, TorchLoader, WdsSource
+from .tokens import CaptionTokens
+from .torch_loader import RecSource, TokenArraySource, TorchLoader, WdsSource
 
 
 def _get(args, name, default=None):
@@ -49,8 +57,8 @@ def _resolve_data(args) -> tuple[str, str]:
         from .builtin import ensure_builtin_dataset
         ds = ensure_builtin_dataset(root=data or None, seed=int(_get(args, "builtin_seed", 0)))
         return ds.train_prefix, "rec"
-    if fmt not in ("rec", "wds"):
-        raise ValueError(f"unknown data_format {fmt!r} (rec, wds or builtin)")
+    if fmt not in ("rec", "wds", "parquet"):
+        raise ValueError(f"unknown data_format {fmt!r} (rec, wds, parquet or builtin)")
     if not data:
         raise DataError("no training data given (--train-data)")
     return data, fmt
@@ -78,12 +86,29 @@ def _build(args, train: bool, data=None, fmt=None, log=print):
         data, fmt = _resolve_data(args)
     shard = dist_info(args)
     rank, local, world = shard.rank, shard.local_rank, shard.world_size
-    backend, cpu_mode = _choose(args)
     bs = int(_get(args, "batch_size", 64))
     size = int(_get(args, "input_size", 224))
     workers = int(_get(args, "workers", 2))
     seed = int(_get(args, "seed", 0))
     skip = bool(_get(args, "skip_corrupt", False))
+    tokens_path = _get(args, "caption_tokens", None)
+    if fmt == "parquet" or tokens_path:
+        # DALI reads neither parquet nor a separate token array: the torch DataLoader does
+        if _get(args, "loader", "auto") == "dali":
+            what = "parquet" if fmt == "parquet" else "--caption-tokens"
+            raise TrainArgsError(f"--loader dali cannot read {what}; use --loader auto or torch")
+        backend, cpu_mode = "torch", True
+    else:
+        backend, cpu_mode = _choose(args)
+    tokens = CaptionTokens(tokens_path) if tokens_path else None
+    if fmt == "parquet":
+        from .parquet import build_parquet_loader
+        return build_parquet_loader(
+            data, batch_size=bs, input_size=size, workers=workers, train=train, seed=seed,
+            rank=rank, world_size=world, skip_corrupt=skip,
+            image_column=_get(args, "image_column", None),
+            caption_columns=_get(args, "caption_columns", None), caption_tokens=tokens,
+            shuffle_rows=_get(args, "parquet_shuffle_rows", None), log=log)
     if backend == "dali":
         try:
             return build_dali_loader(
@@ -107,6 +132,10 @@ def _build(args, train: bool, data=None, fmt=None, log=print):
             log(f"[data] skipping {len(chk.bad)} corrupt record(s) in {chk.rec_path}")
         source = RecSource(data, chk.good)
         pre_skipped = len(chk.bad)
+        if tokens is not None:
+            keys = [k for k, _ in chk.good]
+            tokens.check(chk.num_records, chk.rec_path, max_id=max(keys))
+            source = TokenArraySource(source, tokens, keys)
     else:
         from .wds import check_wds
         index = check_wds(data, skip_corrupt=skip)
@@ -115,6 +144,12 @@ def _build(args, train: bool, data=None, fmt=None, log=print):
                 f"{index.bad[0]}")
         source = WdsSource(index)
         pre_skipped = len(index.bad)
+        if tokens is not None:
+            if any(reason.startswith("unreadable") for _, _, reason in index.bad):
+                raise DataError("cannot line up caption-token rows with the samples: a shard "
+                                "is unreadable", index.bad[0][0])
+            tokens.check(index.num_keys, f"the shards ({len(index.shards)})")
+            source = TokenArraySource(source, tokens, [s.ordinal for s in index.samples])
     loader = TorchLoader(source, bs, size, workers=workers, train=train, seed=seed, rank=rank,
                          world_size=world, skip_corrupt=skip, log=log)
     loader.skipped = pre_skipped

@@ -12,7 +12,8 @@ Any other label count is a :class:`DataError`.
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -93,6 +94,88 @@ def normalize_labels(labels, where: str | None = None, record=None) -> np.ndarra
     if out.min() < 0 or out.max() >= VOCAB_SIZE:
         raise DataError(f"token ids outside [0, {VOCAB_SIZE})", where, record)
     return out
+
+
+def tokens_from_row(row, where: str | None = None, record=None) -> np.ndarray:
+    """A stored token row of 77 x k values (k = 1, 2 or 3) -> int64 (231,).
+
+    k = 2 and 3 follow :func:`normalize_labels`; one caption (k = 1) fills all three
+    variants, as a missing variant repeats the raw caption when captions are tokenised.
+    """
+    arr = np.asarray(row).reshape(-1)
+    if arr.size == CONTEXT_LENGTH:
+        arr = np.concatenate([arr, arr, arr])
+    return normalize_labels(arr, where, record)
+
+
+def merge_caption_tokens(row, base: np.ndarray | None, where: str | None = None,
+                         record=None) -> np.ndarray:
+    """Caption-token array row (77 x k) over a sample's own tokens (231,) or None.
+
+    The array's k captions replace the first k variants (raw, synthetic, generated); the
+    variants it lacks keep the sample's own when it has captions, else are padded as in
+    :func:`tokens_from_row`.
+    """
+    row = np.asarray(row).reshape(-1)
+    full = tokens_from_row(row, where, record)
+    if base is None:
+        return full
+    out = np.array(base, dtype=np.int64).reshape(-1)
+    out[:row.size] = full[:row.size]
+    return out
+
+
+class CaptionTokens:
+    """``--caption-tokens FILE.npy``: a memory-mapped (N, 77 x k) token array, row i
+    belonging to record / sample i (k = 1, 2 or 3; the original's raw + OFA captions
+    were shared as (15061515, 154)). Opened lazily per process, so it pickles cheaply
+    into data-loader workers."""
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        arr = self._open()
+        if arr.ndim != 2 or arr.shape[1] not in (CONTEXT_LENGTH, 2 * CONTEXT_LENGTH,
+                                                 NUM_LABELS):
+            raise DataError(f"caption-token array has shape {tuple(arr.shape)}; expected "
+                            f"(N, {CONTEXT_LENGTH} x k) with k = 1, 2 or 3", self.path)
+        if arr.dtype.kind not in "iuf":
+            raise DataError(f"caption-token array has dtype {arr.dtype}; expected integer "
+                            "token ids", self.path)
+        self.shape = tuple(arr.shape)
+        self._arr = None
+
+    def _open(self) -> np.ndarray:
+        if not os.path.isfile(self.path):
+            raise DataError("caption-token file not found", self.path)
+        try:
+            return np.load(self.path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise DataError(f"not a readable .npy array ({e})", self.path) from None
+
+    def __getstate__(self):
+        st = self.__dict__.copy()
+        st["_arr"] = None
+        return st
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def check(self, n: int, what: str, where: str | None = None, max_id: int | None = None):
+        """Raise unless the array has one row per sample: ``n`` samples in ``what`` and,
+        for keyed records, every id below the row count."""
+        if self.shape[0] != n:
+            raise DataError(f"caption-token array has {self.shape[0]} rows but {what} holds "
+                            f"{n} samples (row i belongs to sample i)", self.path)
+        if max_id is not None and max_id >= self.shape[0]:
+            raise DataError(f"{what} has record id {max_id} but the caption-token array has "
+                            f"only {self.shape[0]} rows (ids 0..{self.shape[0] - 1})",
+                            self.path, where)
+
+    def tokens(self, i: int, base: np.ndarray | None = None) -> np.ndarray:
+        """int64 (231,) tokens of sample ``i`` (see :func:`merge_caption_tokens`)."""
+        if self._arr is None:
+            self._arr = self._open()
+        return merge_caption_tokens(self._arr[i], base, self.path, f"row {i}")
 
 
 def labels_for_rec(tokens: np.ndarray) -> np.ndarray:

@@ -176,6 +176,37 @@ def eval_transform(im: Image.Image, size: int) -> torch.Tensor:
     return _to_tensor(im, CLIP_MEAN, CLIP_STD)
 
 
+def image_tensor(data: bytes, size: int, train: bool, draw: tuple, where: tuple) -> torch.Tensor:
+    """Decode and transform one image; the train augmentation draws come from a
+    ``random.Random`` seeded by ``draw`` (e.g. (seed, rank, epoch, index)), so they do
+    not depend on which worker runs it. ``where`` = (file, record) for the error."""
+    try:
+        im = decode_image(data, 2 * size)
+    except Exception as e:  # PIL/OSError/... while decoding
+        raise DataError(f"undecodable image ({type(e).__name__}: {e})", *where) from None
+    if train:
+        return train_transform(im, size, random.Random(hash(draw) & 0xFFFFFFFF))
+    return eval_transform(im, size)
+
+
+class TokenArraySource:
+    """A source whose caption tokens come from a :class:`~.tokens.CaptionTokens` array,
+    row ``ids[i]`` for sample ``i`` (merged over the sample's own tokens)."""
+
+    def __init__(self, source, tokens, ids):
+        self.source, self.tokens, self.ids = source, tokens, list(ids)
+
+    def __len__(self):
+        return len(self.source)
+
+    def name(self, i):
+        return self.source.name(i)
+
+    def get(self, i):
+        data, own = self.source.get(i)
+        return data, self.tokens.tokens(self.ids[i], own)
+
+
 # ----------------------------------------------------------------------------- dataset
 
 class ImageTextDataset(torch.utils.data.Dataset):
@@ -189,19 +220,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
         return len(self.source)
 
     def _load(self, i):
-        try:
-            data, tokens = self.source.get(i)
-            im = decode_image(data, 2 * self.size)
-        except DataError:
-            raise
-        except Exception as e:  # PIL/OSError/... while decoding
-            path, key = self.source.name(i)
-            raise DataError(f"undecodable image ({type(e).__name__}: {e})", path, key) from None
-        if self.train:
-            rng = random.Random(hash((self.seed, self.rank, self.epoch, i)) & 0xFFFFFFFF)
-            img = train_transform(im, self.size, rng)
-        else:
-            img = eval_transform(im, self.size)
+        data, tokens = self.source.get(i)
+        img = image_tensor(data, self.size, self.train, (self.seed, self.rank, self.epoch, i),
+                           self.source.name(i))
         return img, torch.from_numpy(tokens)
 
     def __getitem__(self, item):

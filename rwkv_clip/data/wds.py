@@ -24,19 +24,32 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 TOK_EXT = "tok"
 
 
-def list_shards(spec) -> list[str]:
-    """Shard list from a folder, a glob, a brace pattern (``a-{000000..000009}.tar``),
-    a ``::``/comma separated list, or a Python list. Raises DataError if none exist."""
+def _split_commas(s: str) -> list[str]:
+    """Split a comma-separated list, leaving commas inside brace lists (``{a,b}``)."""
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        depth += (c == "{") - (c == "}")
+        if c == "," and depth == 0:
+            out.append(s[start:i])
+            start = i + 1
+    out.append(s[start:])
+    return out
+
+
+def list_shards(spec, ext: str = ".tar") -> list[str]:
+    """Shard list from a folder (its ``*ext`` files), a glob, a brace pattern
+    (``a-{000000..000009}.tar``), a ``::``/comma separated list, or a Python list.
+    Raises DataError if none exist."""
     if isinstance(spec, (list, tuple)):
         items = list(spec)
     else:
         s = str(spec)
         if os.path.isdir(s):
-            items = sorted(os.path.join(s, p) for p in os.listdir(s) if p.endswith(".tar"))
+            items = sorted(os.path.join(s, p) for p in os.listdir(s) if p.endswith(ext))
             if not items:
-                raise DataError("no .tar shards in folder", s)
+                raise DataError(f"no {ext} shards in folder", s)
             return items
-        parts = [p for chunk in s.split("::") for p in chunk.split(",") if p]
+        parts = [p for chunk in s.split("::") for p in _split_commas(chunk) if p]
         items = []
         for p in parts:
             if "{" in p:
@@ -75,6 +88,7 @@ class WdsSample:
     key: str
     image: tuple       # (offset, size, ext)
     tok: tuple         # (offset, size)
+    ordinal: int = -1  # position among all keys of the shards in order (bad ones too)
 
 
 @dataclass
@@ -82,6 +96,7 @@ class WdsIndex:
     shards: list
     samples: list = field(default_factory=list)
     bad: list = field(default_factory=list)         # [(shard, key or None, reason)]
+    num_keys: int = 0                               # sample keys seen, bad ones included
 
     def __len__(self):
         return len(self.samples)
@@ -122,6 +137,8 @@ def index_shards(paths: list[str]) -> WdsIndex:
             continue
         for key in order:
             g = groups[key]
+            ordinal = out.num_keys
+            out.num_keys += 1
             img = next((e for e in IMAGE_EXTS if e in g), None)
             if img is None:
                 out.bad.append((path, key, "sample has no image component"))
@@ -139,7 +156,8 @@ def index_shards(paths: list[str]) -> WdsIndex:
             if ioff + isize > size or toff + tsize > size:
                 out.bad.append((path, key, "member data extends past the end of the shard"))
                 continue
-            out.samples.append(WdsSample(path, key, (ioff, isize, img), (toff, tsize)))
+            out.samples.append(WdsSample(path, key, (ioff, isize, img), (toff, tsize),
+                                         ordinal))
         if len(out.samples) == n_before and not any(b[0] == path for b in out.bad):
             out.bad.append((path, None, "empty shard (no samples)"))
     return out

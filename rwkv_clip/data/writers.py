@@ -7,7 +7,12 @@ Inputs
     ``generated`` (a missing variant repeats ``raw``);
   * a folder of img2dataset WebDataset shards (``NNNNN.tar`` holding ``key.jpg`` (or
     png/webp/jpeg) + ``key.txt`` and/or ``key.json``; the caption is the ``.txt`` or the
-    json's ``caption``; json keys ``synthetic``/``generated`` are used when present).
+    json's ``caption``; json keys ``synthetic``/``generated`` are used when present);
+  * parquet shards (a ``.parquet`` file, glob or brace list, or a folder of them):
+    img2dataset's parquet output or the Hub's YFCC15M layout, columns as the parquet
+    loader picks them (``image_column`` / ``caption_columns`` override; see
+    :mod:`rwkv_clip.data.parquet`); rows with an img2dataset ``status`` other than
+    ``success`` are skipped and counted; a token-id column is copied as stored.
 
 Outputs
   * ``PREFIX.rec`` + ``PREFIX.idx`` (keys 0..N-1): IRHeader with flag 231 and the 3 x 77
@@ -149,8 +154,21 @@ def iter_img2dataset(folder: str) -> Iterator[dict]:
                        "generated": meta.get("generated") or None}
 
 
-def iter_input(path: str) -> Iterator[dict]:
-    """Dispatch on the input kind (JSONL/CSV file or img2dataset folder)."""
+def is_parquet_input(path: str) -> bool:
+    """A ``.parquet`` file / glob / brace list, or a folder holding parquet (no .tar)."""
+    if os.path.isdir(path):
+        names = os.listdir(path)
+        return (any(n.endswith(".parquet") for n in names)
+                and not any(n.endswith(".tar") for n in names))
+    return ".parquet" in path
+
+
+def iter_input(path: str, image_column: str | None = None,
+               caption_columns=None) -> Iterator[dict]:
+    """Dispatch on the input kind (JSONL/CSV file, img2dataset folder, parquet)."""
+    if is_parquet_input(path):
+        from .parquet import iter_parquet_samples
+        return iter_parquet_samples(path, image_column, caption_columns)
     if os.path.isdir(path):
         return iter_img2dataset(path)
     return iter_pairs_file(path)
@@ -202,24 +220,29 @@ def _load_bytes(sample: dict) -> bytes:
 
 
 def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_examples: list,
-              chunk: int = 256) -> Iterator[tuple[str, bytes, np.ndarray, tuple]]:
-    """Validate samples and tokenise them in chunks -> (name, jpeg, tokens(231,), captions)."""
+              chunk: int = 256) -> Iterator[tuple[str, bytes, np.ndarray, tuple | None]]:
+    """Validate samples and tokenise them in chunks -> (name, jpeg, tokens(231,), captions).
+
+    A sample with stored ``tokens`` (231,) keeps them and has captions None.
+    """
     buf = []
 
     def flush():
         if not buf:
             return
-        toks = encode_captions_batch([b[2] for b in buf])
-        for (name, jpg, caps), t in zip(buf, toks):
-            yield name, jpg, t, caps
+        texts = [b[2] for b in buf if b[3] is None]
+        toks = iter(encode_captions_batch(texts)) if texts else iter(())
+        for name, jpg, caps, stored in buf:
+            yield name, jpg, (next(toks) if stored is None else stored), caps
         buf.clear()
 
     for s in samples:
         try:
             if "error" in s:
                 raise SkipSample(s["error"])
+            stored = s.get("tokens")
             raw = s.get("raw")
-            if not isinstance(raw, str) or not raw.strip():
+            if stored is None and (not isinstance(raw, str) or not raw.strip()):
                 raise SkipSample("missing caption")
             jpg = prepare_image(_load_bytes(s), resize)
         except SkipSample as e:
@@ -228,8 +251,9 @@ def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_example
             if len(skipped_examples) < 20:
                 skipped_examples.append((s.get("name"), reason))
             continue
-        caps = (raw.strip(), s.get("synthetic"), s.get("generated"))
-        buf.append((s.get("name"), jpg, caps))
+        caps = None if stored is not None else (raw.strip(), s.get("synthetic"),
+                                                s.get("generated"))
+        buf.append((s.get("name"), jpg, caps, stored))
         if len(buf) >= chunk:
             yield from flush()
     yield from flush()
@@ -294,13 +318,14 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
                 shards.append(f"{prefix}-{len(shards):06d}.tar")
                 tf = tarfile.open(shards[-1] + ".tmp", "w", format=tarfile.USTAR_FORMAT)
             key = f"{n:09d}"
-            raw = caps[0]
             _add(tf, key + ".jpg", jpg)
             _add(tf, key + ".tok", tokens_to_bytes(tok))
-            _add(tf, key + ".txt", raw.encode("utf-8"))
-            _add(tf, key + ".json", json.dumps(
-                {"raw": raw, "synthetic": caps[1] or raw, "generated": caps[2] or raw},
-                ensure_ascii=False).encode("utf-8"))
+            if caps is not None:  # stored token ids come without their caption text
+                raw = caps[0]
+                _add(tf, key + ".txt", raw.encode("utf-8"))
+                _add(tf, key + ".json", json.dumps(
+                    {"raw": raw, "synthetic": caps[1] or raw, "generated": caps[2] or raw},
+                    ensure_ascii=False).encode("utf-8"))
             n += 1
         if tf is not None:
             tf.close()
@@ -319,11 +344,15 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
 
 
 def convert(input_path: str, output_prefix: str, fmt: str = "rec", resize: int | None = None,
-            shard_size: int = 1000, progress: bool = True) -> dict:
-    """One call from pairs file / img2dataset folder to rec or wds output."""
-    samples = iter_input(input_path)
+            shard_size: int = 1000, progress: bool = True, image_column: str | None = None,
+            caption_columns=None) -> dict:
+    """One call from pairs file / img2dataset folder / parquet to rec or wds output."""
+    samples = iter_input(input_path, image_column, caption_columns)
     total = None
-    if os.path.isfile(input_path):
+    if is_parquet_input(input_path):
+        from .parquet import count_parquet_rows
+        total = count_parquet_rows(input_path)
+    elif os.path.isfile(input_path):
         with open(input_path, "rb") as f:
             total = sum(1 for line in f if line.strip())
         if input_path.lower().endswith((".csv", ".tsv")):
@@ -336,5 +365,5 @@ def convert(input_path: str, output_prefix: str, fmt: str = "rec", resize: int |
     raise ValueError(f"unknown format {fmt!r} (rec or wds)")
 
 
-__all__ = ["convert", "write_rec", "write_wds", "iter_input", "iter_pairs_file",
+__all__ = ["convert", "write_rec", "write_wds", "iter_input", "iter_pairs_file", "is_parquet_input",
            "iter_img2dataset", "prepare_image", "SkipSample", "tokens_to_bytes", "NUM_LABELS"]

@@ -7,7 +7,10 @@ from torch import nn
 
 
 def _pair(x: int | tuple[int, int]) -> tuple[int, int]:
-    return (x, x) if isinstance(x, int) else tuple(x)
+    if isinstance(x, int):
+        return (x, x)
+    a, b = x
+    return (int(a), int(b))
 
 
 class PatchEmbed(nn.Module):
@@ -26,10 +29,11 @@ class PatchEmbed(nn.Module):
         self.init_out_size = self.output_size(_pair(input_size))
 
     def output_size(self, hw: tuple[int, int]) -> tuple[int, int]:
-        return tuple(-(-s // p) for s, p in zip(hw, self.patch_size))
+        (h, w), (ph, pw) = hw, self.patch_size
+        return (-(-h // ph), -(-w // pw))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        grid = self.output_size(tuple(x.shape[-2:]))
+        grid = self.output_size((int(x.shape[-2]), int(x.shape[-1])))
         pad_h = grid[0] * self.patch_size[0] - x.shape[-2]
         pad_w = grid[1] * self.patch_size[1] - x.shape[-1]
         if pad_h or pad_w:

@@ -22,6 +22,8 @@ def q_shift_multihead(x: torch.Tensor, shift_pixel: int = 1, head_dim: int = 64,
                          "head_dim % 4 == 0)")
     if with_cls_token:
         x, cls_token = x[:, :-1], x[:, -1:]
+    if patch_resolution is None:
+        raise ValueError("q-shift needs the patch grid (patch_resolution=(H, W))")
     H, W = patch_resolution
     grid = x.transpose(1, 2).reshape(B, C // head_dim, head_dim, H, W)
     out = torch.zeros_like(grid)

@@ -54,6 +54,25 @@ class TimeMixBase(nn.Module):
 
     n_head: int
     wkv_backend: str | None = None  # None: follow the tensors' device (see rwkv_clip.ops)
+    # created by the subclasses (their order fixes the state-dict order and random draws)
+    time_maa_x: nn.Parameter
+    time_maa_w: nn.Parameter
+    time_maa_k: nn.Parameter
+    time_maa_v: nn.Parameter
+    time_maa_r: nn.Parameter
+    time_maa_g: nn.Parameter
+    time_maa_w1: nn.Parameter
+    time_maa_w2: nn.Parameter
+    time_decay: nn.Parameter
+    time_decay_w1: nn.Parameter
+    time_decay_w2: nn.Parameter
+    time_faaaa: nn.Parameter
+    receptance: nn.Linear
+    key: nn.Linear
+    value: nn.Linear
+    gate: nn.Linear
+    output: nn.Linear
+    ln_x: nn.GroupNorm
 
     def shift(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
         raise NotImplementedError
@@ -86,6 +105,7 @@ class TimeMixBase(nn.Module):
     def mix(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
         r, k, v, g, w = self.projections(x, **shift_kwargs)
         y = wkv6_bidirectional(r, k, v, w, self.time_faaaa, backend=self.wkv_backend)
-        if getattr(self, "key_norm", None) is not None:
-            y = self.key_norm(y)
+        key_norm: nn.Module | None = getattr(self, "key_norm", None)
+        if key_norm is not None:
+            y = key_norm(y)
         return self.output_projection(y, g)

@@ -6,30 +6,38 @@ One entry point, :func:`wkv6_bidirectional`, three backends:
 * ``"cpu"``       - native C++/OpenMP kernel (built on first use, cached on disk)
 * ``"reference"`` - pure PyTorch, any dtype including float64 (slow; the test oracle)
 
-The backend follows the tensors' device unless overridden by the ``backend`` argument
-or the ``RWKV_CLIP_WKV_BACKEND`` environment variable (read at call time, never at
-import). Nothing is compiled at import.
+The native backends are the PyTorch operators ``torch.ops.rwkv_clip.wkv6_forward`` /
+``wkv6_backward`` (:mod:`rwkv_clip.ops.kernels`), so ``torch.compile(model,
+fullgraph=True)`` sees one opaque call per WKV and meta / fake tensors get shapes and
+dtypes without a kernel. The backend follows the tensors' device unless overridden by
+the ``backend`` argument or the ``RWKV_CLIP_WKV_BACKEND`` environment variable (read
+once, on the first call; :func:`reset_backend_override` forgets it). Nothing is
+compiled at import.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .reference import wkv6_bidirectional_reference
 from ..errors import WKVError
+from . import build, kernels
+from .reference import wkv6_bidirectional_reference
 
 BACKEND_ENV_VAR = "RWKV_CLIP_WKV_BACKEND"
 BACKENDS = ("auto", "cuda", "cpu", "reference")
 
 
+def reset_backend_override() -> None:
+    """Read ``RWKV_CLIP_WKV_BACKEND`` (and the CUDA variant variable) again on the next call."""
+    build.reset_env_overrides()
+
+
 def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     """Pick the backend for tensors on ``device``: argument, then env var, then device."""
-    choice = backend or os.environ.get(BACKEND_ENV_VAR) or "auto"
+    choice = backend or build.env_override(BACKEND_ENV_VAR) or "auto"
     if choice not in BACKENDS:
-        raise WKVError(
-            f"unknown WKV backend {choice!r} (from "
-            f"{'argument' if backend else BACKEND_ENV_VAR}); expected one of {BACKENDS}")
+        source = "argument" if backend else BACKEND_ENV_VAR
+        raise WKVError(f"unknown WKV backend {choice!r} (from {source}); expected one of "
+                       f"{BACKENDS}")
     if choice == "auto":
         return "cuda" if device.type == "cuda" else "cpu"
     if choice == "cuda" and device.type != "cuda":
@@ -40,7 +48,7 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
 
 
 def check_inputs(r, k, v, w, u) -> tuple[int, int, int, int, int]:
-    """Validate shapes before any kernel runs; returns (B, T, C, H, N)."""
+    """Validate shapes, dtypes and devices before any kernel runs; returns (B, T, C, H, N)."""
     if r.dim() != 3:
         raise WKVError(f"wkv6: r must be (B, T, C), got shape {tuple(r.shape)}")
     B, T, C = r.shape
@@ -54,9 +62,11 @@ def check_inputs(r, k, v, w, u) -> tuple[int, int, int, int, int]:
         raise WKVError(f"wkv6: u is ({H}, {N}) but C = {C} is not H x N")
     if T < 1:
         raise WKVError("wkv6: sequence length T must be at least 1")
-    devices = {t.device for t in (r, k, v, w, u)}
-    if len(devices) != 1:
-        raise WKVError(f"wkv6: inputs are on different devices {sorted(map(str, devices))}")
+    for name, t in (("r", r), ("k", k), ("v", v), ("w", w), ("u", u)):
+        if t.device != r.device:
+            raise WKVError(f"wkv6: {name} is on {t.device} but r is on {r.device}")
+        if not t.is_floating_point():
+            raise WKVError(f"wkv6: {name} has dtype {t.dtype}, expected a floating dtype")
     return B, T, C, H, N
 
 
@@ -71,9 +81,8 @@ def wkv6_bidirectional(r, k, v, w, u, backend: str | None = None) -> torch.Tenso
     chosen = resolve_backend(r.device, backend)
     if chosen == "reference":
         return wkv6_bidirectional_reference(r, k, v, w, u)
-    from .kernels import run_native  # local import: the native path builds on first use
-    return run_native(chosen, r, k, v, w, u)
+    return kernels.run_native(chosen, r, k, v, w, u)
 
 
-__all__ = ["wkv6_bidirectional", "wkv6_bidirectional_reference", "resolve_backend",
-           "check_inputs", "WKVError", "BACKENDS", "BACKEND_ENV_VAR"]
+__all__ = ["BACKENDS", "BACKEND_ENV_VAR", "WKVError", "check_inputs", "reset_backend_override",
+           "resolve_backend", "wkv6_bidirectional", "wkv6_bidirectional_reference"]

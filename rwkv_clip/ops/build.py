@@ -1,8 +1,7 @@
 """Lazy, cached builds of the native WKV kernels.
 
 Nothing here runs at import. :func:`get_cpu_kernel` and :func:`get_cuda_kernel` compile
-on first use with ``torch.utils.cpp_extension.load`` (ninja) and keep the result on disk,
-one build folder per variant:
+on first use with ``torch.utils.cpp_extension`` (ninja) and keep the result on disk:
 
 * CPU  - one build for every head size (the head size is a runtime argument; 32, 64,
   80 and 128 have compile-time specialisations), tagged with the instruction set used.
@@ -10,28 +9,46 @@ one build folder per variant:
   then powers of two up to :data:`CUDA_T_MAX` (4096).
 
 Cache root: ``$RWKV_CLIP_KERNEL_CACHE`` if set, else ``$TORCH_EXTENSIONS_DIR/rwkv_clip``
-if that is set, else ``~/.cache/rwkv_clip/kernels``; below it one folder per torch
-version and CUDA version. Concurrent builders (torchrun ranks, parallel pytest runs)
-are serialised by cpp_extension's lock file in the build folder: the first process
-builds, the others wait and then load the finished module.
+if that is set, else ``~/.cache/rwkv_clip/kernels``. Below it each build has its own
+folder named after a hash (:meth:`KernelSpec.key`) of everything that changes the
+binary: source and header contents, compiler flags, the CUDA arch list, the compiler,
+and the torch / CUDA / Python versions. Two checkouts with different sources therefore
+never rebuild each other's kernels, and identical ones share a build. A finished build
+is marked by ``built.json`` and loaded directly, without running ninja again.
 
-Every size or toolchain problem is raised as :class:`rwkv_clip.ops.WKVError` before
-any compiler runs.
+Concurrent builders (torchrun ranks, parallel pytest runs) are serialised by an
+``flock`` on ``build.lock`` in the build folder, which the OS releases when its holder
+dies, so a killed builder never blocks the others; a live builder that takes longer than
+``$RWKV_CLIP_KERNEL_LOCK_TIMEOUT`` seconds (default 1800) makes the waiters fail with an
+error naming the lock file.
+
+Size and toolchain problems raise :class:`rwkv_clip.errors.WKVError` before any compiler
+runs; a failed compile raises :class:`rwkv_clip.errors.KernelBuildError` ending with the
+compiler's last lines.
 """
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import importlib.resources
+import importlib.util
+import json
 import logging
 import os
+import platform
 import re
 import shutil
+import socket
 import sys
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..errors import KernelBuildError, WKVError
 
 CUDA_T_MAX = 4096
 CUDA_T_BUCKETS = (256, 512, 1024, 2048, 4096)
@@ -44,8 +61,16 @@ _lock = threading.Lock()
 _loaded: dict[tuple, object] = {}
 
 
+LOCK_TIMEOUT_ENV_VAR = "RWKV_CLIP_KERNEL_LOCK_TIMEOUT"
+DEFAULT_LOCK_TIMEOUT_S = 1800.0
+# With no GPU visible (a login node, a CPU-only build job) and no TORCH_CUDA_ARCH_LIST,
+# build for these; the last one also as PTX, so newer cards JIT-compile it. 7.5 covers T4s.
+DEFAULT_CUDA_ARCHS = ("7.5", "8.0", "9.0")
+COMPILER_TAIL_LINES = 25
+CACHE_FORMAT = 2  # bump when the folder layout or the key's contents change
+
+
 def _error(msg: str) -> Exception:
-    from . import WKVError  # late import: ops/__init__ imports nothing from here
     return WKVError(msg)
 
 
@@ -75,9 +100,7 @@ def cache_root() -> Path:
         root = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "rwkv_clip"
     else:
         root = Path.home() / ".cache" / "rwkv_clip" / "kernels"
-    tag = "torch" + torch.__version__.replace("+", "_")
-    tag += "_py%d%d" % sys.version_info[:2]
-    return root / tag
+    return root  # versions are part of each build's key (KernelSpec.key_inputs)
 
 
 def _build_dir(name: str) -> Path:
@@ -111,11 +134,12 @@ def _check_cxx() -> None:
                      "on PATH; install one (e.g. apt-get install g++) or use backend='reference'")
     if shutil.which("ninja") is None:
         try:
-            import ninja  # noqa: F401
+            import ninja
             bindir = Path(ninja.BIN_DIR)
-            os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
-        except Exception:
-            raise _error("rwkv_clip: building the WKV kernel needs ninja (pip install ninja)")
+        except (ImportError, AttributeError):
+            raise _error("rwkv_clip: building the WKV kernel needs ninja (pip install ninja)"
+                         ) from None
+        os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def _is_toolkit_root(p: Path) -> bool:
@@ -172,14 +196,57 @@ def _prepare_cuda_toolchain() -> Path:
     cur = getattr(ext, "CUDA_HOME", None)
     if cur is None or not _is_toolkit_root(Path(cur)):
         ext.CUDA_HOME = str(home)  # cpp_extension guessed wrongly at import (wrapper nvcc)
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        if torch.cuda.is_available():
-            archs = sorted({"%d.%d" % torch.cuda.get_device_capability(i)
-                            for i in range(torch.cuda.device_count())})
-            os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
-        else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
     return home
+
+
+_ARCH_RE = re.compile(r"^(\d+)\.(\d+)([a-z]?)(\+PTX)?$")
+
+
+def cuda_arch_list() -> str:
+    """The CUDA architectures to build for, e.g. ``"7.5;8.0;9.0+PTX"``.
+
+    ``$TORCH_CUDA_ARCH_LIST`` is used as given. Otherwise the visible GPUs' capabilities
+    (clamped to what this torch supports), else :data:`DEFAULT_CUDA_ARCHS`; either way the
+    highest one also as PTX, so a card newer than any listed can still run the kernel.
+    """
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env and env != "native":
+        return ";".join(a for a in env.replace(" ", ";").split(";") if a)
+    archs: list[tuple[int, int]] = []
+    if torch.cuda.is_available():
+        supported = [int(a.split("_")[1]) for a in torch.cuda.get_arch_list()
+                     if a.startswith("sm_") and a.split("_")[1].isdigit()]
+        top = max(((sm // 10, sm % 10) for sm in supported), default=(99, 9))
+        for i in range(torch.cuda.device_count()):
+            cap = min(top, tuple(torch.cuda.get_device_capability(i)))
+            if cap not in archs:
+                archs.append(cap)
+    if not archs:
+        archs = [tuple(int(x) for x in a.split(".")) for a in DEFAULT_CUDA_ARCHS]
+    names = [f"{major}.{minor}" for major, minor in sorted(archs)]
+    names[-1] += "+PTX"
+    return ";".join(names)
+
+
+def cuda_gencode_flags(arch_list: str) -> list[str]:
+    """nvcc ``-gencode`` flags for an arch list such as ``"8.0;9.0+PTX"``.
+
+    Passed explicitly, so cpp_extension adds none of its own and the list is the one in
+    the cache key (nothing is written to ``TORCH_CUDA_ARCH_LIST``)."""
+    flags: list[str] = []
+    for arch in filter(None, arch_list.split(";")):
+        m = _ARCH_RE.match(arch)
+        if m is None:
+            raise _error(f"rwkv_clip: CUDA arch {arch!r} (from TORCH_CUDA_ARCH_LIST or the GPU) "
+                         "is not of the form MAJOR.MINOR[+PTX], e.g. '8.0;9.0+PTX'")
+        num = f"{m.group(1)}{m.group(2)}{m.group(3)}"
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if m.group(4):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    if not flags:
+        raise _error("rwkv_clip: the CUDA arch list is empty; set TORCH_CUDA_ARCH_LIST, "
+                     "e.g. '8.0;9.0+PTX'")
+    return flags
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -197,36 +264,139 @@ def check_cuda_head_size(N: int) -> None:
                      f"(expected a multiple of 4 between 4 and {CUDA_MAX_HEAD_SIZE})")
 
 
+_env_overrides: dict[str, str | None] = {}
+
+
+def env_override(name: str) -> str | None:
+    """``os.environ[name]`` (None when unset or empty), read once per process and cached.
+
+    The WKV op runs thousands of times per step and inside ``torch.compile``d graphs; an
+    environment lookup per call costs time and, under tracing, a guard or a graph break.
+    Tests that change the variable call :func:`reset_env_overrides`."""
+    try:
+        return _env_overrides[name]
+    except KeyError:
+        value = _env_overrides[name] = os.environ.get(name) or None
+        return value
+
+
+def reset_env_overrides() -> None:
+    """Forget the cached environment overrides (read again on the next call)."""
+    _env_overrides.clear()
+
+
 def resolve_cuda_variant(variant: str | None = None) -> str:
-    choice = variant or os.environ.get(CUDA_VARIANT_ENV_VAR) or DEFAULT_CUDA_VARIANT
+    choice = variant or env_override(CUDA_VARIANT_ENV_VAR) or DEFAULT_CUDA_VARIANT
     if choice not in CUDA_VARIANTS:
-        raise _error(f"rwkv_clip: unknown CUDA WKV variant {choice!r}; expected one of {CUDA_VARIANTS}")
+        raise _error(f"rwkv_clip: unknown CUDA WKV variant {choice!r}; expected one of "
+                     f"{CUDA_VARIANTS}")
     return choice
 
 
-# ---------------------------------------------------------------------------- builders
-STALE_LOCK_SECONDS = 30 * 60
+# ------------------------------------------------------------------------ cache key
+@dataclass(frozen=True)
+class KernelSpec:
+    """Everything that decides one native build; :meth:`key` hashes it into the folder name."""
+
+    what: str                       # for messages: "CPU (avx2)", "CUDA faithful, N=64, T<=256"
+    base_name: str                  # module name before the hash
+    sources: tuple[Path, ...]
+    headers: tuple[Path, ...] = ()  # included files: not compiled, but part of the key
+    cflags: tuple[str, ...] = ()
+    cuda_cflags: tuple[str, ...] = ()
+    ldflags: tuple[str, ...] = ()
+    arch_list: str | None = None    # CUDA builds only
+    toolkit: str | None = None      # CUDA toolkit root, CUDA builds only
+
+    def key_inputs(self) -> dict:
+        """What goes into the key (also written to ``built.json`` for whoever looks)."""
+        def digest(p: Path) -> str:
+            try:
+                return hashlib.sha256(p.read_bytes()).hexdigest()
+            except OSError as e:
+                raise _error(f"rwkv_clip: kernel source {p} cannot be read ({e})") from e
+        return {
+            "format": CACHE_FORMAT,
+            # by file name, not path: identical sources in two checkouts share one build
+            "sources": [[p.name, digest(p)] for p in self.sources],
+            "headers": [[p.name, digest(p)] for p in self.headers],
+            "cflags": list(self.cflags), "cuda_cflags": list(self.cuda_cflags),
+            "ldflags": list(self.ldflags), "arch_list": self.arch_list,
+            "toolkit": self.toolkit, "cxx": os.environ.get("CXX", "c++"),
+            "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "python": platform.python_version(), "machine": platform.machine(),
+        }
+
+    def key(self) -> str:
+        blob = json.dumps(self.key_inputs(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @property
+    def name(self) -> str:
+        return f"{self.base_name}_{self.key()}"
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
-    """cpp_extension serialises builders with a 'lock' file in the build folder and waits
-    for it to vanish. A builder killed mid-build leaves it behind and every later process
-    would wait forever; a lock older than any real build is removed with a warning."""
-    import time
-    import warnings
-    lock = build_dir / "lock"
+# ---------------------------------------------------------------------------- locking
+def lock_timeout() -> float:
+    raw = os.environ.get(LOCK_TIMEOUT_ENV_VAR)
+    if not raw:
+        return DEFAULT_LOCK_TIMEOUT_S
     try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        warnings.warn(f"rwkv_clip: removing stale kernel build lock {lock} ({age / 60:.0f} min old)")
-        try:
-            lock.unlink()
-        except FileNotFoundError:
-            pass
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise _error(f"rwkv_clip: {LOCK_TIMEOUT_ENV_VAR}={raw!r} is not a positive number of "
+                     "seconds")
+    return value
 
 
+@contextlib.contextmanager
+def build_lock(path: Path, timeout: float):
+    """Hold an exclusive ``flock`` on ``path`` for one build.
+
+    The OS drops the lock when its holder exits or is killed, so a dead builder never
+    blocks anyone; a live holder that keeps it past ``timeout`` seconds raises
+    :class:`KernelBuildError` naming the lock file and its holder."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        deadline = time.monotonic() + timeout
+        announced = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = _lock_holder(path)
+                if time.monotonic() >= deadline:
+                    raise KernelBuildError(
+                        f"rwkv_clip: timed out after {timeout:.0f}s waiting for the kernel build "
+                        f"lock {path} (held by {holder}); stop that process if it hangs, or raise "
+                        f"{LOCK_TIMEOUT_ENV_VAR}") from None
+                if not announced:
+                    print(f"rwkv_clip: waiting for {holder} to finish building the WKV kernel "
+                          f"(lock {path})", file=sys.stderr, flush=True)
+                    announced = True
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        os.ftruncate(fd, 0)
+        os.write(fd, (f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}").encode())
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the flock
+
+
+def _lock_holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "another process"
+    except OSError:
+        return "another process"
+
+
+# ---------------------------------------------------------------------------- builders
 @contextlib.contextmanager
 def _quiet_logger(name: str):
     logger = logging.getLogger(name)
@@ -238,19 +408,83 @@ def _quiet_logger(name: str):
         logger.setLevel(level)
 
 
-def _load(name: str, sources: list[Path], verbose: bool, **kw):
-    if not os.environ.get("CUDA_HOME"):
-        # cpp_extension guesses the toolkit root at import and warns when the guess (from
-        # the nvcc wrapper) is wrong; point it at the real root first, even for CPU builds
-        home = find_cuda_home()
-        if home is not None:
-            os.environ["CUDA_HOME"] = str(home)
-    with _quiet_logger("torch.utils.cpp_extension"):  # "No CUDA runtime is found" on CPU hosts
-        from torch.utils.cpp_extension import load
-    build_dir = _build_dir(name)
-    _clear_stale_lock(build_dir)
-    return load(name=name, sources=[str(s) for s in sources], build_directory=str(build_dir),
-                verbose=verbose, **kw)
+def _import_built(name: str, so: Path):
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {so}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiler_tail(exc: BaseException) -> str:
+    text = str(exc)
+    out = getattr(exc, "output", None)
+    if isinstance(out, bytes):
+        text += "\n" + out.decode(errors="replace")
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+    return "\n".join(lines[-COMPILER_TAIL_LINES:])
+
+
+def build_kernel(spec: KernelSpec, verbose: bool = False):
+    """Load the module of ``spec`` from the cache, building it first when absent.
+
+    Prints one line ``building the WKV kernel for ... (first use)`` to stderr before a
+    build. Compiler and loader failures raise :class:`KernelBuildError`."""
+    import subprocess
+
+    name = spec.name
+    build_dir = cache_root() / name
+    so = build_dir / f"{name}.so"
+    marker = build_dir / "built.json"
+    with build_lock(build_dir / "build.lock", lock_timeout()):
+        if marker.is_file() and so.is_file():
+            try:
+                return _import_built(name, so)
+            except ImportError as e:  # a half-written or foreign file: build it again
+                print(f"rwkv_clip: cached WKV kernel {so} does not load ({e}); rebuilding",
+                      file=sys.stderr, flush=True)
+        marker.unlink(missing_ok=True)
+        # cpp_extension's own baton; one left by a killed builder would make load() wait
+        # forever. We hold build.lock, so nobody else is building in this folder.
+        (build_dir / "lock").unlink(missing_ok=True)
+        print(f"rwkv_clip: building the WKV kernel for {spec.what} (first use) in {build_dir}",
+              file=sys.stderr, flush=True)
+        if not os.environ.get("CUDA_HOME"):
+            # cpp_extension guesses the toolkit root at import and warns when the guess
+            # (from an nvcc wrapper) is wrong; point it at the real root first
+            home = find_cuda_home()
+            if home is not None:
+                os.environ["CUDA_HOME"] = str(home)
+        with _quiet_logger("torch.utils.cpp_extension"):  # "No CUDA runtime" on CPU hosts
+            from torch.utils.cpp_extension import load
+        t0 = time.time()
+        try:
+            with _quiet_logger("torch.utils.cpp_extension"):
+                module = load(name=name, sources=[str(s) for s in spec.sources],
+                              build_directory=str(build_dir), verbose=verbose,
+                              extra_cflags=list(spec.cflags),
+                              extra_cuda_cflags=list(spec.cuda_cflags) or None,
+                              extra_ldflags=list(spec.ldflags))
+        except (RuntimeError, ImportError, OSError, subprocess.CalledProcessError) as e:
+            raise KernelBuildError(
+                f"rwkv_clip: building the WKV kernel for {spec.what} failed (build folder "
+                f"{build_dir}); last lines of the compiler output:\n{_compiler_tail(e)}") from e
+        info = dict(spec.key_inputs(), what=spec.what, seconds=round(time.time() - t0, 1))
+        marker.write_text(json.dumps(info, indent=1))
+        return module
+
+
+def _loaded_or_build(cache_key: tuple, make_spec, verbose: bool):
+    mod = _loaded.get(cache_key)  # fast path: no lock, no file system
+    if mod is not None:
+        return mod
+    with _lock:
+        mod = _loaded.get(cache_key)
+        if mod is None:
+            mod = build_kernel(make_spec(), verbose=verbose)
+            _loaded[cache_key] = mod
+        return mod
 
 
 def cpu_kernel_name() -> str:
@@ -258,20 +492,19 @@ def cpu_kernel_name() -> str:
     return f"rwkv_clip_wkv6_cpu_{tag}"
 
 
+def cpu_kernel_spec() -> KernelSpec:
+    tag, isa = _cpu_isa_flags()
+    return KernelSpec(what=f"CPU ({tag})", base_name=cpu_kernel_name(),
+                      sources=(source_dir() / "wkv6_cpu.cpp",),
+                      cflags=("-O3", "-fopenmp", *isa), ldflags=("-fopenmp",))
+
+
 def get_cpu_kernel(verbose: bool = False):
     """The compiled CPU kernel module (forward, backward); builds it on first use."""
-    name = cpu_kernel_name()
-    with _lock:
-        mod = _loaded.get(("cpu",))
-        if mod is not None:
-            return mod
+    def make():
         _check_cxx()
-        _, isa = _cpu_isa_flags()
-        flags = ["-O3", "-fopenmp"] + isa
-        mod = _load(name, [source_dir() / "wkv6_cpu.cpp"], verbose,
-                    extra_cflags=flags, extra_ldflags=["-fopenmp"])
-        _loaded[("cpu",)] = mod
-        return mod
+        return cpu_kernel_spec()
+    return _loaded_or_build(("cpu",), make, verbose)
 
 
 def cuda_kernel_name(N: int, t_max: int, variant: str) -> str:
@@ -279,26 +512,31 @@ def cuda_kernel_name(N: int, t_max: int, variant: str) -> str:
     return f"rwkv_clip_wkv6_cuda{cu}_{variant}_N{N}_T{t_max}"
 
 
+def cuda_kernel_spec(N: int, t_max: int, variant: str) -> KernelSpec:
+    home = _prepare_cuda_toolchain()
+    src = source_dir()
+    cu_file = "wkv6_cuda.cu" if variant == "faithful" else "wkv6_cuda_fast.cu"
+    defines = [f"-DWKV_N={N}", f"-DWKV_TMAX={t_max}"]
+    if variant == "fast":
+        defines.append("-DWKV_VARIANT_FAST")
+    archs = cuda_arch_list()
+    return KernelSpec(
+        what=f"CUDA ({variant}, head size {N}, T <= {t_max}, archs {archs})",
+        base_name=cuda_kernel_name(N, t_max, variant),
+        sources=(src / "wkv6_op.cpp", src / cu_file), headers=(src / "wkv6_common.cuh",),
+        cflags=("-O3", *defines),
+        cuda_cflags=("-O3", "-Xptxas", "-O3", "--use_fast_math", "--extra-device-vectorization",
+                     *defines, *cuda_gencode_flags(archs)),
+        arch_list=archs, toolkit=str(home))
+
+
 def get_cuda_kernel(N: int, T: int, variant: str | None = None, verbose: bool = False):
     """The compiled CUDA kernel for head size N and sequence length T (T_max bucket)."""
     variant = resolve_cuda_variant(variant)
     check_cuda_head_size(N)
     t_max = cuda_t_bucket(T)
-    key = ("cuda", variant, N, t_max)
-    with _lock:
-        mod = _loaded.get(key)
-        if mod is not None:
-            return mod
+
+    def make():
         _check_cxx()
-        _prepare_cuda_toolchain()
-        src = source_dir()
-        cu_file = "wkv6_cuda.cu" if variant == "faithful" else "wkv6_cuda_fast.cu"
-        defines = [f"-DWKV_N={N}", f"-DWKV_TMAX={t_max}"]
-        if variant == "fast":
-            defines.append("-DWKV_VARIANT_FAST")
-        mod = _load(cuda_kernel_name(N, t_max, variant), [src / "wkv6_op.cpp", src / cu_file],
-                    verbose, extra_cflags=["-O3"] + defines,
-                    extra_cuda_cflags=["-O3", "-Xptxas", "-O3", "--use_fast_math",
-                                       "--extra-device-vectorization"] + defines)
-        _loaded[key] = mod
-        return mod
+        return cuda_kernel_spec(N, t_max, variant)
+    return _loaded_or_build(("cuda", variant, N, t_max), make, verbose)

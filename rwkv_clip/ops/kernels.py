@@ -1,44 +1,49 @@
-"""Autograd wrappers around the native WKV kernels (CPU and CUDA).
+"""The native WKV kernels as PyTorch operators: ``torch.ops.rwkv_clip.wkv6_forward`` and
+``torch.ops.rwkv_clip.wkv6_backward``.
 
-``run_native(backend, r, k, v, w, u)`` checks sizes and the toolchain (raising
-:class:`rwkv_clip.ops.WKVError` before anything runs), builds the kernel on first use
-(see :mod:`rwkv_clip.ops.build`), and returns float32 y. Gradients come back in the
-dtypes of the inputs (u's gradient in u's dtype).
+Both are :func:`torch.library.custom_op` operators with CPU and CUDA implementations
+(the compiled kernels of :mod:`rwkv_clip.ops.build`), fake implementations giving
+shapes and dtypes (meta tensors, FakeTensor, ``torch.compile``), and autograd joining
+them. To ``torch.compile`` they are opaque calls, so a compiled model has no graph
+break at the WKV op, and nothing of the build machinery is traced: a kernel is built
+or loaded the first time an implementation runs and then found in a dict.
+
+Dtypes: y is float32 (B, T, C); each gradient comes back in its input's dtype. The CPU
+kernel reads every input in its own dtype (fp32, bf16, fp16, fp64); the CUDA kernels
+take r, k, v in one dtype, w in fp32 or that dtype, u in fp32, so the CUDA
+implementation converts on the device where the inputs do not fit.
+
+The two operators are registered when this module is imported (as any
+``torch.library`` operator); nothing is compiled then.
 """
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
+from ..errors import WKVError
 from . import build
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_VARIANT = build.DEFAULT_CUDA_VARIANT
 
 
-def _prep(x: torch.Tensor, allow_double: bool) -> torch.Tensor:
-    if x.dtype not in _KERNEL_DTYPES and not (allow_double and x.dtype == torch.float64):
-        x = x.float()
-    return x.contiguous()
+# ------------------------------------------------------------------------- forward op
+@torch.library.custom_op("rwkv_clip::wkv6_forward", mutates_args=(), device_types="cpu")
+def wkv6_forward(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor,
+                 cuda_variant: str = DEFAULT_VARIANT) -> Tensor:
+    """Bidirectional WKV6 forward; ``cuda_variant`` picks the CUDA kernel (ignored on CPU)."""
+    mod = build.get_cpu_kernel()
+    return mod.forward(r.contiguous(), k.contiguous(), v.contiguous(), w.contiguous(),
+                       u.contiguous())
 
 
-class _WKV6CPU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, r, k, v, w, u):
-        mod = build.get_cpu_kernel()
-        r_, k_, v_, w_, u_ = (_prep(x, True) for x in (r, k, v, w, u))
-        y = mod.forward(r_, k_, v_, w_, u_)
-        ctx.save_for_backward(r_, k_, v_, w_, u_)
-        ctx.dtypes = tuple(x.dtype for x in (r, k, v, w, u))
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        r, k, v, w, u = ctx.saved_tensors
-        mod = build.get_cpu_kernel()
-        grads = mod.backward(r, k, v, w, u, gy.float().contiguous())
-        return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes))
+@wkv6_forward.register_fake
+def _wkv6_forward_fake(r, k, v, w, u, cuda_variant=DEFAULT_VARIANT):
+    return r.new_empty(r.shape, dtype=torch.float32)
 
 
-def _cuda_dtypes(r, k, v, w):
+def _cuda_dtypes(r: Tensor, k: Tensor, v: Tensor, w: Tensor) -> tuple[torch.dtype, torch.dtype]:
     """Kernel instantiations: r/k/v share one dtype F; w is float32 or F."""
     same = r.dtype == k.dtype == v.dtype
     F = r.dtype if same and r.dtype in _KERNEL_DTYPES else torch.float32
@@ -46,43 +51,78 @@ def _cuda_dtypes(r, k, v, w):
     return F, FW
 
 
-class _WKV6CUDA(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, r, k, v, w, u, variant):
-        T = r.shape[1]
-        N = u.shape[1]
-        mod = build.get_cuda_kernel(N, T, variant)
-        F, FW = _cuda_dtypes(r, k, v, w)
-        r_, k_, v_ = (x.to(F).contiguous() for x in (r, k, v))
-        w_ = w.to(FW).contiguous()
-        u_ = u.float().contiguous()
-        with torch.cuda.device(r.device):
-            y = mod.forward(r_, k_, v_, w_, u_)
-        ctx.save_for_backward(r_, k_, v_, w_, u_)
-        ctx.dtypes = tuple(x.dtype for x in (r, k, v, w, u))
-        ctx.variant = variant
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        r, k, v, w, u = ctx.saved_tensors
-        mod = build.get_cuda_kernel(u.shape[1], r.shape[1], ctx.variant)
-        with torch.cuda.device(r.device):
-            grads = mod.backward(r, k, v, w, u, gy.float().contiguous())
-        return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes)) + (None,)
+def _cuda_inputs(r, k, v, w, u):
+    F, FW = _cuda_dtypes(r, k, v, w)
+    return ([x.to(F).contiguous() for x in (r, k, v)] + [w.to(FW).contiguous()]
+            + [u.float().contiguous()])
 
 
-def run_native(backend: str, r, k, v, w, u, variant: str | None = None) -> torch.Tensor:
-    """Run the native kernel of ``backend`` ("cpu" or "cuda"); returns float32 (B, T, C)."""
+@wkv6_forward.register_kernel("cuda")
+def _wkv6_forward_cuda(r, k, v, w, u, cuda_variant=DEFAULT_VARIANT):
+    mod = build.get_cuda_kernel(u.shape[1], r.shape[1], cuda_variant)
+    with torch.cuda.device(r.device):
+        return mod.forward(*_cuda_inputs(r, k, v, w, u))
+
+
+# ------------------------------------------------------------------------ backward op
+@torch.library.custom_op("rwkv_clip::wkv6_backward", mutates_args=(), device_types="cpu")
+def wkv6_backward(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor, gy: Tensor,
+                  cuda_variant: str = DEFAULT_VARIANT
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (gr, gk, gv, gw, gu) of :func:`wkv6_forward`, each in its input's dtype."""
+    mod = build.get_cpu_kernel()
+    gr, gk, gv, gw, gu = mod.backward(r.contiguous(), k.contiguous(), v.contiguous(),
+                                      w.contiguous(), u.contiguous(), gy.contiguous())
+    return gr, gk, gv, gw, gu
+
+
+@wkv6_backward.register_fake
+def _wkv6_backward_fake(r, k, v, w, u, gy, cuda_variant=DEFAULT_VARIANT):
+    return tuple(x.new_empty(x.shape) for x in (r, k, v, w, u))
+
+
+@wkv6_backward.register_kernel("cuda")
+def _wkv6_backward_cuda(r, k, v, w, u, gy, cuda_variant=DEFAULT_VARIANT):
+    mod = build.get_cuda_kernel(u.shape[1], r.shape[1], cuda_variant)
+    with torch.cuda.device(r.device):
+        grads = mod.backward(*_cuda_inputs(r, k, v, w, u), gy.float().contiguous())
+    return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (r, k, v, w, u), strict=True))
+
+
+# ------------------------------------------------------------------------- autograd
+def _setup_context(ctx, inputs, output):
+    r, k, v, w, u, cuda_variant = inputs
+    ctx.save_for_backward(r, k, v, w, u)
+    ctx.cuda_variant = cuda_variant
+
+
+def _backward(ctx, gy):
+    r, k, v, w, u = ctx.saved_tensors
+    grads = wkv6_backward(r, k, v, w, u, gy, ctx.cuda_variant)
+    return (*grads, None)
+
+
+wkv6_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------ entry point
+def check_cuda_sizes(N: int, T: int) -> None:
+    """Raise :class:`WKVError` for sizes the CUDA kernels do not support, before any build."""
+    build.check_cuda_head_size(N)
+    build.cuda_t_bucket(T)
+
+
+def run_native(backend: str, r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor,
+               variant: str | None = None) -> Tensor:
+    """Run the native kernel of ``backend`` ("cpu" or "cuda"); returns float32 (B, T, C).
+
+    ``variant`` picks the CUDA kernel (default: ``$RWKV_CLIP_WKV_CUDA_VARIANT``, read
+    once, else "faithful")."""
     if backend == "cpu":
-        build._check_cxx()
-        return _WKV6CPU.apply(r, k, v, w, u)
+        return wkv6_forward(r, k, v, w, u)
     if backend == "cuda":
-        T = r.shape[1]
-        N = u.shape[1]
         variant = build.resolve_cuda_variant(variant)
-        build.check_cuda_head_size(N)
-        build.cuda_t_bucket(T)
-        return _WKV6CUDA.apply(r, k, v, w, u, variant)
-    from . import WKVError
-    raise WKVError(f"run_native: no native kernel for backend {backend!r}")
+        check_cuda_sizes(u.shape[1], r.shape[1])
+        return wkv6_forward(r, k, v, w, u, variant)
+    raise WKVError(f"run_native: no native kernel for backend {backend!r}; expected 'cpu' or "
+                   "'cuda'")

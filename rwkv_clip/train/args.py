@@ -1,43 +1,44 @@
 """Command line of ``train.py``: every flag of the original, plus the new ones.
 
-Model (tower) settings are resolved in this order, later winning:
-
-1. a base: the ``--config`` JSON if given; otherwise, if any tower flag is given (as
-   the original launch scripts do), the original ``train.py`` argparse defaults;
-   otherwise the shipped ``RWKV_CLIP_small`` config (the CPU-friendly default);
-2. the tower flags given explicitly on the command line.
+Model (tower) settings come from one config, the ``--config`` JSON or, without it, the
+shipped ``RWKV_CLIP_small`` (the CPU-friendly default); every tower flag given on the
+command line overrides its key. The original's launch scripts pass every tower setting
+their model needs (shell/train_RWKV_CLIP_B32_YFCC15M.sh resolves to exactly
+RWKV_CLIP_B32.json's model), and a new ``--n-embd`` re-derives ``dim_att``/``dim_ffn``
+unless those are given too.
 
 ``--precision``, ``--dropout``, ``--workers`` and ``--open-checkpoint`` also fall back
 to the config's ``precision``, ``dropout``, ``workers`` and ``with_cp`` when not given.
 The resolved model fields are stored flat on the namespace (as the original's ``args``)
-and collected in ``args.model_config``.
+and collected in ``args.model_config`` (what checkpoints record).
 """
 from __future__ import annotations
 
 import argparse
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from ..config import ConfigError, ModelArgs, complete_args, parse_bool, read_config_json
-from ..errors import TrainArgsError
+from ..config import ConfigError, ModelArgs, parse_bool, read_config_json
+from ..errors import EXIT_USER_ERROR, TrainArgsError, report
 
 DEFAULT_CONFIG = "RWKV_CLIP_small"
 
-# The original train.py argparse defaults of the tower flags (base when tower flags
-# are given without --config, so the original launch scripts mean what they meant).
-ORIGINAL_TOWER_DEFAULTS: dict[str, Any] = {
-    "input_size": 224, "image_depth": 12, "image_embed_dims": 384, "image_patch_size": 16,
-    "image_hidden_rate": 4, "image_num_heads": 8, "image_output_cls_token": False,
-    "image_with_cls_token": False, "drop_path_rate": 0.0, "ctx_len": 77, "vocab_size": 49408,
-    "text_initialization": True, "head_size": 8, "text_num_head": 0, "pos_emb": 0,
-    "head_size_divisor": 8, "n_layer": 12, "n_embd": 384, "dim_att": 0, "dim_ffn": 0,
-    "head_qk": 0, "tiny_att_dim": 0, "tiny_att_layer": -999,
-}
-TOWER_KEYS = tuple(ORIGINAL_TOWER_DEFAULTS)
-# Settings that live in config JSONs but are training options with their own flag.
-SHARED_KEYS = {"precision": "bf16", "dropout": 0.0, "workers": 10}
+# Model keys that have a tower flag of the same name (--input-size -> input_size ...).
+TOWER_KEYS = (
+    "input_size", "image_depth", "image_embed_dims", "image_patch_size", "image_hidden_rate",
+    "image_num_heads", "image_output_cls_token", "image_with_cls_token", "drop_path_rate",
+    "ctx_len", "vocab_size", "text_initialization", "head_size", "text_num_head", "pos_emb",
+    "head_size_divisor", "n_layer", "n_embd", "dim_att", "dim_ffn", "head_qk", "tiny_att_dim",
+    "tiny_att_layer",
+)
+# Config keys that are training options with their own flag (flag name -> config key).
+SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "workers",
+                "open_checkpoint": "with_cp"}
+# Config keys that are not model settings: not recorded in args.model_config.
+NOT_MODEL_KEYS = ("workers", "data_type")
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
-DATA_FORMATS = ("rec", "wds", "builtin")
+DATA_FORMATS = ("rec", "wds", "parquet", "builtin")
 
 
 def str2bool(value: Any) -> bool:
@@ -123,9 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model config")
     g.add_argument("--config", default=None, metavar="JSON",
                    help="model config (path or shipped name, e.g. model_config/"
-                        "RWKV_CLIP_B32.json or RWKV_CLIP_small); tower flags override it. "
-                        f"Default: {DEFAULT_CONFIG}, or the original's defaults when tower "
-                        "flags are given without --config")
+                        "RWKV_CLIP_B32.json or RWKV_CLIP_small); tower flags override its "
+                        f"keys. Default: {DEFAULT_CONFIG}")
 
     g = p.add_argument_group("image tower (original flags; default: from the config)")
     g.add_argument("--input-size", type=int, default=None, help="image side in pixels")
@@ -161,8 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("new in this implementation")
     g.add_argument("--data-format", choices=DATA_FORMATS, default=None,
-                   help="default: builtin without --train-data, else wds for .tar shards, "
-                        "else rec")
+                   help="default: builtin without --train-data, else parquet for .parquet "
+                        "files, wds for .tar shards, else rec")
+    g.add_argument("--image-column", default=None,
+                   help="parquet image column (default: jpg, images, image or img)")
+    g.add_argument("--caption-columns", default=None, metavar="RAW[,SYN[,GEN]]",
+                   help="parquet caption columns as raw,synthetic,generated (default: "
+                        "caption, texts or text)")
+    g.add_argument("--caption-tokens", default=None, metavar="FILE.npy",
+                   help="token array (N, 77 x k), row i = record/sample i, replacing the first "
+                        "k caption variants")
     g.add_argument("--loader", choices=("auto", "dali", "torch"), default="auto",
                    help="data pipeline (auto: DALI if installed, else PyTorch)")
     _bool_flag(g, "--skip-corrupt", False, "skip unreadable records (counted) instead of "
@@ -206,12 +214,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tower_base(config: str | None, given: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    if config is not None or not given:
-        name = config if config is not None else DEFAULT_CONFIG
-        base, path = read_config_json(name)
-        return base, str(path)
-    return dict(ORIGINAL_TOWER_DEFAULTS), "the original train.py defaults"
+def resolve_model_config(args: argparse.Namespace) -> tuple[ModelArgs, str]:
+    """The model settings of parsed flags: the chosen config (``--config``, default
+    ``RWKV_CLIP_small``) with every tower and shared flag given overriding its key; and
+    where they came from (the config's path and the overriding flags, for the log)."""
+    params, path = read_config_json(args.config if args.config is not None else DEFAULT_CONFIG)
+    flags = [f for f in (*TOWER_KEYS, *SHARED_FLAGS) if getattr(args, f) is not None]
+    given = {SHARED_FLAGS.get(f, f): getattr(args, f) for f in flags}
+    if "n_embd" in given:  # derived widths follow a new n_embd unless given too
+        for k in ("dim_att", "dim_ffn"):
+            given.setdefault(k, 0)
+    source = str(path)
+    if flags:
+        source += " overridden by " + ", ".join("--" + f.replace("_", "-") for f in flags)
+    model = ModelArgs.from_dict({**params, **given}, source=f"model config {source}")
+    return model, source
 
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -238,30 +255,18 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise TrainArgsError("--resume and --pretrained exclude each other: resume restores "
                              "weights and optimizer; pretrained starts a fresh run from weights")
 
-    given = {k: getattr(args, k) for k in TOWER_KEYS if getattr(args, k) is not None}
-    base, source = _tower_base(args.config, given)
-    fields = {k: v for k, v in base.items() if k in TOWER_KEYS or k in SHARED_KEYS
-              or k == "with_cp"}
-    fields.update(given)
-    if "n_embd" in given:  # derived widths follow a new n_embd unless given too
-        for k in ("dim_att", "dim_ffn"):
-            if k not in given:
-                fields[k] = 0
-    for k, default in SHARED_KEYS.items():
-        value = getattr(args, k)
-        fields[k] = value if value is not None else base.get(k, default)
-    fields["with_cp"] = (args.open_checkpoint if args.open_checkpoint is not None
-                         else str2bool(base.get("with_cp", False)))
-    model = complete_args(ModelArgs(**fields), source=f"model settings (base: {source})")
-    for k, v in vars(model).items():
+    model, args.config_source = resolve_model_config(args)
+    args.model_config = {k: v for k, v in model.to_dict().items() if k not in NOT_MODEL_KEYS}
+    for k, v in args.model_config.items():
         setattr(args, k, v)
+    args.workers = model.workers
     args.open_checkpoint = model.with_cp
-    args.config_source = source
-    args.model_config = {k: v for k, v in vars(model).items() if k != "workers"}
 
     if args.data_format is None:
         if args.train_data is None:
             args.data_format = "builtin"
+        elif ".parquet" in args.train_data:
+            args.data_format = "parquet"
         elif ".tar" in args.train_data or "{" in args.train_data:
             args.data_format = "wds"
         else:
@@ -272,13 +277,16 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and resolve; bad flags exit with status 2 and a message naming the flag."""
+    """Parse and resolve; bad flags or a bad config exit with status 2 and one line
+    ``train.py: error: ...`` naming the flag or config key (argparse's own errors, such as
+    an unknown flag, come with its usage text as usual)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return resolve_args(args)
     except (TrainArgsError, ConfigError) as exc:
-        parser.error(str(exc))
+        report(exc, parser.prog)
+        raise SystemExit(EXIT_USER_ERROR) from None
 
 
 def warn_ignored(args: argparse.Namespace, log=print) -> None:

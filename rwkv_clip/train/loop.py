@@ -459,7 +459,9 @@ def loader_args(args, info: DistInfo, train_data: str, data_format: str) -> Simp
         train_data=train_data, data_format=data_format, batch_size=args.batch_size,
         workers=args.workers, input_size=args.input_size, seed=args.seed,
         skip_corrupt=args.skip_corrupt, device=str(info.device), rank=info.rank,
-        local_rank=info.local_rank, world_size=info.world_size, loader=args.loader)
+        local_rank=info.local_rank, world_size=info.world_size, loader=args.loader,
+        image_column=args.image_column, caption_columns=args.caption_columns,
+        caption_tokens=args.caption_tokens)
 
 
 def set_loader_epoch(loader, epoch: int) -> None:

@@ -1,0 +1,134 @@
+"""``python -m rwkv_clip.memory``: the planner's command line.
+
+    python -m rwkv_clip.memory --config model_config/RWKV_CLIP_B32.json --batch-size 256 \
+        --precision bf16 [--checkpointing] [--gradient-acc K] [--gpus N] [--measure] [--json]
+
+User errors (a missing or bad config, a bad flag value) are one line ``error: ...`` and exit
+status 2 (:func:`rwkv_clip.errors.run_cli`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ..errors import TrainArgsError, run_cli
+from ..precision import canonical_precision
+from .estimate import CARD_RESERVE_GIB, CARD_USABLE_FRACTION, GiB, MiB, estimate
+
+PROG = "python -m rwkv_clip.memory"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are the package's error (one line through run_cli)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise TrainArgsError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description="Memory planner: what a training step or inference "
+                                        "of RWKV-CLIP needs, per GPU.")
+    ap.add_argument("--config", default=None, help="model config JSON (default: B/32)")
+    ap.add_argument("--batch-size", type=int, default=256, help="per-GPU batch size")
+    ap.add_argument("--precision", default="bf16", help="fp32, tf32, bf16 or fp16")
+    ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    ap.add_argument("--gradient-acc", type=int, default=1)
+    ap.add_argument("--gpus", type=int, default=1, help="data-parallel world size")
+    ap.add_argument("--local-loss", action="store_true", help="ClipLoss local_loss logits")
+    ap.add_argument("--inference-batch", type=int, default=None,
+                    help="batch for the inference figures (default: --batch-size)")
+    ap.add_argument("--mode", choices=["train", "inference"], default="train",
+                    help="what --measure runs")
+    ap.add_argument("--measure", action="store_true", help="also run one real step and measure")
+    ap.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                    help="device for --measure and the estimate's autocast rules")
+    ap.add_argument("--wkv-backend", default=None, help="force a WKV backend for --measure")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def _check(ns: argparse.Namespace) -> None:
+    for flag, value in (("--batch-size", ns.batch_size), ("--gradient-acc", ns.gradient_acc),
+                        ("--gpus", ns.gpus), ("--inference-batch", ns.inference_batch)):
+        if value is not None and value < 1:
+            raise TrainArgsError(f"{flag} must be >= 1, got {value}")
+    if ns.batch_size % ns.gradient_acc:
+        raise TrainArgsError(f"--batch-size {ns.batch_size} is not a multiple of "
+                             f"--gradient-acc {ns.gradient_acc} (batch-size is per GPU, split "
+                             "into gradient-acc micro-batches)")
+    if ns.measure and (ns.gradient_acc != 1 or ns.gpus != 1):
+        raise TrainArgsError("--measure runs one single-process step: it needs "
+                             "--gradient-acc 1 and --gpus 1")
+
+
+def _fmt(b: int) -> str:
+    return f"{b / GiB:8.3f} GiB" if b >= GiB else f"{b / MiB:8.1f} MiB"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    _check(ns)
+    precision = canonical_precision(ns.precision)
+    from ..config import load_model_configs, resolve_config_path
+    config = str(resolve_config_path(ns.config or "RWKV_CLIP_B32"))
+    args = load_model_configs(config)
+    if ns.measure:
+        from ..distributed import pick_device
+        device = pick_device(ns.device or "auto").type
+    else:
+        # the autocast rules of a GPU (what the planner is for) unless told otherwise
+        device = ns.device or "cuda"
+    inf_batch = ns.inference_batch if ns.inference_batch is not None else ns.batch_size
+    est = estimate(args, ns.batch_size, precision, ns.checkpointing, ns.gradient_acc,
+                   ns.gpus, device, Path(config).name, inf_batch)
+    out: dict[str, Any] = {"estimate": asdict(est)}
+    if ns.measure:
+        from .measure import measure
+        m = measure(config, ns.batch_size if ns.mode == "train" else inf_batch, precision,
+                    ns.checkpointing, device, ns.mode, ns.wkv_backend)
+        est_b = est.training_peak_bytes if ns.mode == "train" else est.inference_peak_bytes
+        m["estimated_peak_bytes"] = est_b
+        m["mode"] = ns.mode
+        m["ratio_estimate_to_measured"] = est_b / max(1, m["measured_peak_bytes"])
+        out["measured"] = m
+    if ns.json:
+        print(json.dumps(out))
+        return 0
+    _print_report(est, device, out.get("measured"))
+    return 0
+
+
+def _print_report(e: Any, device: str, m: dict | None) -> None:
+    print(f"{e.config}: batch {e.batch_size} per GPU (micro-batch {e.micro_batch}), {e.precision}, "
+          f"checkpointing {'on' if e.checkpointing else 'off'}, {e.gpus} GPU(s), "
+          f"autocast rules of {device}")
+    print(f"  parameters        {e.parameters:,}")
+    print("training (steady state):")
+    for label, b in (("parameters", e.parameter_bytes), ("gradients", e.gradient_bytes),
+                     ("optimizer (AdamW)", e.optimizer_bytes), ("DDP buckets", e.ddp_bucket_bytes),
+                     ("inputs", e.input_bytes), ("activations", e.activation_bytes),
+                     ("workspace", e.workspace_bytes)):
+        print(f"  {label:<18}{_fmt(b)}")
+    print(f"  {'total (peak)':<18}{_fmt(e.training_peak_bytes)}   at {e.training_peak_phase}")
+    print(f"inference (batch {e.inference_batch}, no grad):")
+    print(f"  {'parameters':<18}{_fmt(e.parameter_bytes)}")
+    print(f"  {'activations':<18}{_fmt(e.inference_activation_bytes)}")
+    print(f"  {'total (peak)':<18}{_fmt(e.inference_peak_bytes)}")
+    print("largest per-GPU training batch that fits (same precision/checkpointing/acc):")
+    for card, b in e.max_batch.items():
+        print(f"  {card:<12}{b:>8}")
+    print(f"  (card memory x {CARD_USABLE_FRACTION} - {CARD_RESERVE_GIB} GiB for the CUDA "
+          "context and fragmentation)")
+    if m is not None:
+        print(f"measured ({m['mode']}, {device}, {m['method']}): {_fmt(m['measured_peak_bytes'])}"
+              f"  estimate {_fmt(m['estimated_peak_bytes'])}  "
+              f"estimate/measured {m['ratio_estimate_to_measured']:.3f}")
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """:func:`main` with user errors as one line and exit status 2."""
+    return run_cli(lambda: main(argv), prog=PROG)

@@ -1,0 +1,378 @@
+"""The model walker: the parameters the model holds and the tensors autograd saves.
+
+Parameters are read from the real model built on the meta device (``torch.device("meta")``:
+every parameter's name, shape and dtype, no storage, no WKV call), so the table cannot drift
+from :mod:`rwkv_clip.model`.
+
+Activations are walked op by op (the same ops as :mod:`rwkv_clip.image_rwkv`,
+:mod:`rwkv_clip.text_rwkv` and :mod:`rwkv_clip.layers.time_mix`): for each op, the tensors
+autograd saves for backward, in the dtype autocast gives them (linear/matmul/bmm/conv in the
+low precision; layer_norm, group_norm, pow and the loss in fp32 on CUDA; plain type promotion
+elsewhere). A tensor saved by several ops is counted once. The forward is cut into segments
+(embedding, each block, head, loss) so that :mod:`.estimate` can replay backward in the order
+autograd runs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import ConfigError, model_args_from_dict
+from ..layers.time_mix import TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM
+
+_SIZES = {"fp32": 4, "bf16": 2, "fp16": 2, "i64": 8}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Ops that CUDA autocast runs in fp32 (torch's autocast fp32 lists); CPU autocast only
+# forces the loss to fp32 (layer_norm/group_norm/pow stay in the input dtype there).
+_FP32_OPS = {"cuda": {"layer_norm", "group_norm", "pow", "norm", "log_softmax", "cross_entropy"},
+             "cpu": {"cross_entropy", "log_softmax"}}
+
+
+def _promote(a: str, b: str) -> str:
+    if a == b:
+        return a
+    return "fp32"  # bf16 x fp16 -> fp32 too
+
+
+def _cfg(args: Any, name: str, default: Any = None) -> Any:
+    return args.get(name, default) if isinstance(args, dict) else getattr(args, name, default)
+
+
+def _patch_grid(input_size: int, patch_size: int) -> int:
+    """Patches per side: the patch embedding pads a partial patch (ceil division)."""
+    return -(-input_size // patch_size)
+
+
+# ----------------------------------------------------------------------------- parameters
+@dataclass
+class ParamTable:
+    """Every parameter of the model as (name, numel, dtype name)."""
+    items: list[tuple[str, int, str]] = field(default_factory=list)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> ParamTable:
+        return cls([(name, p.numel(), DTYPE_NAMES[p.dtype])
+                    for name, p in model.named_parameters()])
+
+    def count(self, prefix: str = "") -> int:
+        return sum(n for name, n, _ in self.items if name.startswith(prefix))
+
+    def nbytes(self, prefix: str | tuple[str, ...] = "") -> int:
+        return sum(n * _SIZES[d] for name, n, d in self.items if name.startswith(prefix))
+
+    def largest_bytes(self) -> int:
+        return max(n * _SIZES[d] for _, n, d in self.items)
+
+    def dtype(self, name: str) -> str:
+        for item, _, d in self.items:
+            if item == name:
+                return d
+        raise KeyError(name)
+
+
+def parameter_table(args: Any) -> ParamTable:
+    """The parameters of ``create_RWKV_Model(args)``, read from the model built on the meta
+    device (shapes and dtypes only: nothing is allocated, the WKV op is not called)."""
+    from ..model import create_RWKV_Model
+    if isinstance(args, dict):
+        args = model_args_from_dict(args, source="memory planner config")
+    with torch.device("meta"):
+        model = create_RWKV_Model(args)
+    return ParamTable.from_model(model)
+
+
+# ----------------------------------------------------------------------------- walker
+class Sym:
+    """A symbolic tensor: element count and dtype. Identity = Python identity."""
+    __slots__ = ("n", "dtype", "param", "__weakref__")
+
+    def __init__(self, n: int, dtype: str, param: bool = False) -> None:
+        self.n, self.dtype, self.param = int(n), dtype, param
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * _SIZES[self.dtype]
+
+
+class Walker:
+    """Walks ops, recording what autograd saves (``saved``) for one segment at a time.
+
+    amp: None (fp32) or "bf16"/"fp16"; device: "cuda" or "cpu" (autocast op lists).
+    """
+
+    def __init__(self, amp: str | None, device: str) -> None:
+        self.amp, self.device = amp, device
+        self.saved: dict[int, Sym] = {}
+        self.weight_cast_bytes = 0  # low-precision copies of weights (autocast cache)
+        self._casts_taken = 0
+
+    # bookkeeping
+    def new(self, n: int, dtype: str) -> Sym:
+        return Sym(n, dtype)
+
+    def save(self, *tensors: Sym) -> None:
+        for t in tensors:
+            if not t.param:
+                self.saved[id(t)] = t
+
+    def take_saved(self) -> int:
+        """Bytes saved since the last call (the finished segment); resets the record."""
+        total = sum(t.nbytes for t in self.saved.values())
+        self.saved = {}
+        return total
+
+    def take_casts(self) -> int:
+        """Bytes of weight copies autocast made since the last call."""
+        total = self.weight_cast_bytes - self._casts_taken
+        self._casts_taken = self.weight_cast_bytes
+        return total
+
+    # casting rules
+    def _lowp_in(self, x: Sym) -> Sym:
+        if self.amp is None or x.dtype == self.amp:
+            return x
+        if x.param:
+            # autocast caches one low-precision copy per weight for the autocast region;
+            # counted in weight_cast_bytes (kept apart from `saved`: under checkpointing
+            # the cache, not the graph, keeps them alive). Each weight feeds one matmul.
+            self.weight_cast_bytes += x.n * _SIZES[self.amp]
+            return Sym(x.n, self.amp, param=True)
+        return Sym(x.n, self.amp)
+
+    def _fp32_in(self, op: str, x: Sym) -> Sym:
+        if self.amp is not None and op in _FP32_OPS[self.device] and x.dtype != "fp32":
+            return Sym(x.n, "fp32")
+        return x
+
+    def _out_dtype_fp32_op(self, op: str, x: Sym) -> str:
+        if self.amp is not None and op in _FP32_OPS[self.device]:
+            return "fp32"
+        return x.dtype
+
+    # ops (saved tensors follow torch's derivatives.yaml)
+    def matmul(self, x: Sym, w: Sym, n_in: int, n_out: int) -> Sym:
+        """linear / x @ W / bmm / conv as a matmul: saves input and weight."""
+        xi, wi = self._lowp_in(x), self._lowp_in(w)
+        self.save(xi, wi)
+        return self.new(x.n // n_in * n_out, self.amp or _promote(x.dtype, w.dtype))
+
+    def add(self, a: Sym, b: Sym) -> Sym:  # add/sub save nothing
+        return self.new(max(a.n, b.n), _promote(a.dtype, b.dtype))
+
+    def mul(self, a: Sym, b: Sym) -> Sym:  # both require grad: both saved
+        self.save(a, b)
+        return self.new(max(a.n, b.n), _promote(a.dtype, b.dtype))
+
+    def unary_saves_result(self, x: Sym) -> Sym:  # tanh, sigmoid, relu
+        out = self.new(x.n, x.dtype)
+        self.save(out)
+        return out
+
+    def silu(self, x: Sym) -> Sym:  # saves its input
+        self.save(x)
+        return self.new(x.n, x.dtype)
+
+    def pow2(self, x: Sym) -> Sym:  # torch.square / ** 2: pow saves self
+        xi = self._fp32_in("pow", x)
+        self.save(xi)
+        return self.new(x.n, self._out_dtype_fp32_op("pow", x))
+
+    def norm_layer(self, op: str, x: Sym, rows: int) -> Sym:
+        """layer_norm / group_norm: saves input, mean and rstd (fp32 per row/group)."""
+        xi = self._fp32_in(op, x)
+        self.save(xi, Sym(2 * rows, "fp32"))
+        return self.new(x.n, self._out_dtype_fp32_op(op, x))
+
+
+@dataclass
+class Segment:
+    """A piece of the forward: bytes autograd saves, its parameters' gradient bytes, and
+    the extra working memory its backward needs (gradient buffers)."""
+    name: str
+    saved: int
+    grad_bytes: int
+    workspace: int
+    ckpt_input: int = 0   # bytes a checkpointed block keeps (its input)
+    inference_peak: int = 0  # working set of this segment under no_grad
+    casts: int = 0        # autocast low-precision weight copies made in this segment
+
+
+@dataclass
+class Plan:
+    segments: list[Segment]
+    weight_cast_bytes: int
+    micro_batch: int
+
+
+# ----------------------------------------------------------------------------- towers
+def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
+              amp_grad: str) -> tuple[Sym, int, int]:
+    """RWKV-6 time mix (both towers); returns (output, backward workspace, inference peak)."""
+    n = a.n
+    na = n // C * A
+    P = lambda numel, dt="fp32": Sym(numel, dt, param=True)
+    sh = w.new(n, a.dtype)                               # token shift output
+    xx = w.add(sh, a)                                    # shift(x) - x
+    xxx = w.add(a, w.mul(xx, P(C)))                      # x + xx * time_maa_x
+    m1 = w.matmul(xxx, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
+    t1 = w.unary_saves_result(m1)                        # tanh
+    mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm -> 5 x (B,T,C)
+    mixes = {}
+    for name in "wkvrg":
+        s = w.add(P(C), Sym(n, mm.dtype))                # time_maa_* + m*
+        mixes[name] = w.add(a, w.mul(xx, s))
+    r = w.matmul(mixes["r"], P(C * A), C, A)
+    k = w.matmul(mixes["k"], P(C * A), C, A)
+    v = w.matmul(mixes["v"], P(C * A), C, A)
+    g = w.silu(w.matmul(mixes["g"], P(C * A), C, A))
+    d1 = w.matmul(mixes["w"], P(C * TIME_DECAY_EXTRA_DIM), C, TIME_DECAY_EXTRA_DIM)
+    d2 = w.matmul(w.unary_saves_result(d1), P(TIME_DECAY_EXTRA_DIM * A),
+                  TIME_DECAY_EXTRA_DIM, A)
+    decay = w.add(P(A, decay_dtype), d2)
+    # WKV: the native kernels save r, k, v, w as given (bf16/fp16/fp32 read directly)
+    w.save(r, k, v, decay)
+    y = w.new(na, "fp32")
+    yn = w.norm_layer("group_norm", y, (na // A) * H)  # mean/rstd per (row, head)
+    out = w.matmul(w.mul(yn, g), P(A * C), A, C)
+    b = _SIZES
+    # backward working set: the five lerp gradients plus their stacked copy (bmm
+    # backward), the gradients of xx and x; WKV backward: gr/gk/gv/gw + gy in fp32 and
+    # their casts back to the input dtypes.
+    ws_lerp = 10 * n * b[mm.dtype] + 2 * n * 4
+    ws_wkv = 5 * na * 4 + 3 * na * b[amp_grad]
+    # no_grad working set inside the projections: x, a, xx, the five lerped inputs and
+    # the decay (dtype of a), the bmm output (5), r, k, v, g, d2 and one cast input.
+    inf = (3 + 6) * n * b[a.dtype] + 5 * n * b[mm.dtype] + 5 * na * b[r.dtype] + n * b[r.dtype]
+    return out, max(ws_lerp, ws_wkv), inf
+
+
+def _channel_mix(w: Walker, bx: Sym, C: int, Fh: int, image: bool) -> tuple[Sym, int, int]:
+    n = bx.n
+    nf = n // C * Fh
+    P = lambda numel: Sym(numel, "fp32", param=True)
+    sh = w.new(n, bx.dtype)
+    if image:   # xk = x * m + shift(x) * (1 - m)
+        one_minus = Sym(C, "fp32")
+        xk = w.add(w.mul(bx, P(C)), w.mul(sh, one_minus))
+        xr = w.add(w.mul(bx, P(C)), w.mul(sh, Sym(C, "fp32")))
+    else:       # xk = x + (shift(x) - x) * time_maa_k
+        xx = w.add(sh, bx)
+        xk = w.add(bx, w.mul(xx, P(C)))
+        xr = w.add(bx, w.mul(xx, P(C)))
+    kk = w.unary_saves_result(w.matmul(xk, P(C * Fh), C, Fh))   # relu
+    k2 = w.pow2(kk)
+    val = w.matmul(k2, P(Fh * C), Fh, C)
+    rr = w.unary_saves_result(w.matmul(xr, P(C * C), C, C))    # sigmoid
+    out = w.mul(rr, val)
+    b = _SIZES
+    ws = 3 * nf * b[k2.dtype] + 2 * n * 4
+    inf = 5 * n * b[bx.dtype] + nf * b[kk.dtype] + 2 * nf * b[k2.dtype]
+    return out, ws, inf
+
+
+def _block(w: Walker, x: Sym, C: int, A: int, H: int, Fh: int, first: bool, image: bool,
+           decay_dtype: str, amp_grad: str) -> tuple[Sym, int, int]:
+    rows = x.n // C
+    inf0 = x.n * _SIZES[x.dtype]
+    if first:
+        x = w.norm_layer("layer_norm", x, rows)           # ln0
+    a = w.norm_layer("layer_norm", x, rows)               # ln1
+    o, ws1, inf1 = _time_mix(w, a, C, A, H, decay_dtype, amp_grad)
+    x1 = w.add(x, o)
+    bx = w.norm_layer("layer_norm", x1, rows)             # ln2
+    c, ws2, inf2 = _channel_mix(w, bx, C, Fh, image)
+    x2 = w.add(x1, c)
+    return x2, max(ws1, ws2), inf0 + max(inf1, inf2 + x1.n * _SIZES[x1.dtype])
+
+
+def _append(w: Walker, segs: list[Segment], seg: Segment) -> None:
+    seg.casts = w.take_casts()
+    segs.append(seg)
+
+
+# Parameter-name prefixes of each segment (the names of rwkv_clip.model's modules).
+IMAGE_EMBED = ("image_model.patch_embed", "image_model.pos_embed", "image_model.cls_token")
+IMAGE_BLOCK = "image_model.layers.{}."
+IMAGE_HEAD = "image_model.ln1"
+TEXT_EMBED = "text_model.emb"
+TEXT_BLOCK = "text_model.blocks.{}."
+TEXT_HEAD = "text_model.ln_out"
+LOSS = "logit_scale"
+
+
+def activation_segments(args: Any, batch: int, amp: str | None, device: str,
+                        world_size: int = 1, local_loss: bool = False,
+                        loss_batch: int | None = None,
+                        params: ParamTable | None = None) -> Plan:
+    """Forward, segment by segment, for one micro-batch of ``batch`` samples; the loss
+    scores ``loss_batch`` samples per rank (the whole accumulated batch: the training
+    loop's exact accumulation caches every micro-batch's features). ``params`` is
+    :func:`parameter_table` of ``args`` (built here when not given)."""
+    for bad in ("head_qk", "tiny_att_dim", "pos_emb"):
+        if (_cfg(args, bad, 0) or 0) > 0:
+            raise ConfigError(f"memory planner: text option {bad}={_cfg(args, bad)} is not "
+                              "modelled (expected 0)")
+    params = parameter_table(args) if params is None else params
+    grads = params.nbytes
+    amp_grad = amp or "fp32"
+    segs: list[Segment] = []
+    C = _cfg(args, "image_embed_dims")
+    p = _cfg(args, "image_patch_size")
+    S = _cfg(args, "input_size")
+    D = _cfg(args, "image_depth")
+    Fh = _cfg(args, "image_hidden_rate") * C
+    grid = _patch_grid(S, p)
+    T = grid * grid + (1 if _cfg(args, "image_with_cls_token", False) else 0)
+    B = batch
+    img = Sym(B * 3 * S * S, "fp32")                       # input: no grad, saved by conv
+    w = Walker(amp, device)
+    conv = w.matmul(img, Sym(C * 3 * p * p, "fp32", param=True), 3 * p * p, C)
+    w.saved.pop(id(img), None)                            # the input itself is not an activation
+    x = w.add(Sym(B * T * C, conv.dtype), Sym(T * C, "fp32", param=True))  # + pos_embed
+    _append(w, segs, Segment("image.embed", w.take_saved(), grads(IMAGE_EMBED), x.n * 4 * 2,
+                             inference_peak=img.nbytes + 2 * x.n * 4))
+    image_decay = params.dtype(IMAGE_BLOCK.format(0) + "att.time_decay")
+    for i in range(D):
+        xin = x
+        x, ws, inf = _block(w, x, C, C, _cfg(args, "image_num_heads"), Fh, i == 0, True,
+                            image_decay, amp_grad)
+        _append(w, segs, Segment(f"image.block{i}", w.take_saved(), grads(IMAGE_BLOCK.format(i)),
+                                 ws, ckpt_input=xin.nbytes, inference_peak=inf))
+    w.norm_layer("layer_norm", x, B * T)                  # final ln1, then mean (saves nothing)
+    _append(w, segs, Segment("image.head", w.take_saved(), grads(IMAGE_HEAD), 2 * x.n * 4,
+                             ckpt_input=0, inference_peak=2 * x.n * 4))
+
+    E = _cfg(args, "n_embd")
+    A = _cfg(args, "dim_att")
+    Fx = _cfg(args, "dim_ffn")
+    L = _cfg(args, "n_layer")
+    Tt = _cfg(args, "ctx_len")
+    tok = Sym(B * Tt, "i64")
+    w.save(tok)  # embedding saves its indices (the input tensor: counted as input below)
+    w.saved.pop(id(tok))
+    x = Sym(B * Tt * E, "fp32")                            # embedding output (param dtype)
+    V = _cfg(args, "vocab_size")
+    _append(w, segs, Segment("text.emb", w.take_saved(), grads(TEXT_EMBED),
+                             V * E * 4 + x.n * 4, inference_peak=x.nbytes))
+    text_decay = params.dtype(TEXT_BLOCK.format(0) + "att.time_decay")
+    for i in range(L):
+        xin = x
+        x, ws, inf = _block(w, x, E, A, A // _cfg(args, "head_size"), Fx, i == 0, False,
+                            text_decay, amp_grad)
+        _append(w, segs, Segment(f"text.block{i}", w.take_saved(), grads(TEXT_BLOCK.format(i)),
+                                 ws, ckpt_input=xin.nbytes, inference_peak=inf))
+    t = w.norm_layer("layer_norm", x, B * Tt)             # ln_out
+    w.save(t, Sym(B * Tt, "fp32"))                        # F.normalize: norm saves t, result
+    _append(w, segs, Segment("text.head", w.take_saved(), grads(TEXT_HEAD), 3 * t.n * 4,
+                             inference_peak=3 * t.n * 4))
+    # ClipLoss over the gathered batch, in fp32 (the loop casts the features to float):
+    # logit matmul(s) + two log_softmax results
+    glob = (loss_batch or B) * world_size
+    rows = (loss_batch or B) if (local_loss and world_size > 1) else glob
+    n_logits = rows * glob
+    n_mm = 2 if (world_size == 1 or local_loss) else 1
+    loss_saved = n_mm * n_logits * 4 + 2 * n_logits * 4 + 4 * glob * C * 4
+    _append(w, segs, Segment("loss", loss_saved, grads(LOSS), 2 * n_logits * 4))
+    return Plan(segs, w.weight_cast_bytes, B)
