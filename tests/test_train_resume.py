@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
+from train_util import TINY_CONFIG, make_tiny_rec, tiny_argv
 
 from rwkv_clip import create_RWKV_Model, load_model_configs
 from rwkv_clip.errors import CheckpointError, ResumeError
 from rwkv_clip.train import checkpoint as ckpt_io
 from rwkv_clip.train import main, parse_args
-from train_util import TINY_CONFIG, make_tiny_rec, tiny_argv
 
 
 @pytest.fixture(scope="module")

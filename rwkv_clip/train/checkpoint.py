@@ -36,6 +36,7 @@ from ..model import load_torch_file
 
 LATEST = "epoch_latest.pt"
 CHECKPOINT_NAME = re.compile(r"(epoch|step)_\d+\.pt")
+TEMP_NAME = re.compile(r"\..+\.tmp\.(\d+)")  # atomic_save's and point_latest's
 FORMAT_VERSION = 2
 
 
@@ -132,16 +133,33 @@ def _write_failure(path: Path, exc: BaseException) -> str:
 
 
 def check_writable(output: str | os.PathLike) -> None:
-    """Fail before any work when OUTPUT/checkpoints cannot be created or written."""
+    """Fail before any work when OUTPUT/checkpoints cannot be created or written; remove
+    the temporary files of saves whose process was killed (SIGKILL, power loss)."""
     folder = checkpoint_dir(output)
     probe = folder / f".write_test.{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"ok")
         probe.unlink()
+        for tmp in folder.iterdir():
+            match = TEMP_NAME.fullmatch(tmp.name)
+            if match and not _alive(int(match.group(1))):
+                tmp.unlink(missing_ok=True)
     except OSError as exc:
         raise CheckpointError(f"output folder {output} is not writable ({exc.strerror}: "
                               f"{exc.filename}); choose another --output") from None
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def prune_checkpoints(folder: Path, keep: int, newest: Path, previous: str | None) -> None:

@@ -588,7 +588,11 @@ def cli(argv=None) -> int:
     exit status 2 (argparse's own errors exit 2 as well)."""
     from .args import parse_args
 
+    def run() -> int:
+        main(parse_args(argv))  # the summary dict is for library callers
+        return 0
+
     try:
-        return run_cli(lambda: main(parse_args(argv)), prog="train.py")
+        return run_cli(run, prog="train.py")
     except Interrupted as exc:  # the checkpoint is written and the line printed
         return exc.exit_code
