@@ -55,7 +55,7 @@ def _bool_flag(group, name: str, default, help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineErrorParser(
         prog="train.py",
         description="Train RWKV-CLIP. With no arguments: the small config on the built-in "
                     "dataset on the available device, then zero-shot accuracy on its "
@@ -324,3 +324,10 @@ def explicit_dests(argv: Sequence[str] | None) -> list[str]:
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return sorted(vars(parser.parse_args(argv)))
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's own errors (unknown flag, bad value) as one line, not the 30-line usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")

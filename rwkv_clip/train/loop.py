@@ -315,6 +315,10 @@ class TrainData:
 def prepare_data(args, info: DistInfo, log) -> TrainData:
     from ..data import build_train_loader
 
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if args.workers and cpus and args.workers > cpus:  # more workers than cores only thrash
+        log.info(f"--workers {args.workers} > the {cpus} CPU cores available: using {cpus}")
+        args.workers = cpus
     train_data, data_format, zero_shot_dir = locate_train_data(args, info, log)
     loader = build_train_loader(loader_args(args, info, train_data, data_format),
                                 log=log.info if info.is_master else None)
