@@ -8,6 +8,7 @@ features and ``logit_scale.exp()``, exactly as the original.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from .image_rwkv import Image_RWKV
 from .text_rwkv import Text_RWKV
 
 
-class get_model(nn.Module):  # noqa: N801 - the original's public name
+class get_model(nn.Module):
     """RWKV-CLIP: ``image_model`` (Image_RWKV), ``text_model`` (Text_RWKV), ``logit_scale``."""
 
     def __init__(self, model_image_rwkv: Image_RWKV, model_text_rwkv: Text_RWKV,
@@ -99,11 +100,44 @@ def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     """Remove DDP's ``module.`` and torch.compile's ``_orig_mod.`` from every key."""
     cleaned = {}
     for key, value in state_dict.items():
-        for prefix in ("module.", "_orig_mod."):
-            if prefix in key:
-                key = key.split(prefix)[-1]
+        # only leading wrappers (DDP around compile or the other way round); a name such
+        # as "blocks.0.module.x" inside the model keeps its "module."
+        stripped = True
+        while stripped:
+            stripped = False
+            for prefix in ("module.", "_orig_mod."):
+                if key.startswith(prefix):
+                    key, stripped = key[len(prefix):], True
         cleaned[key] = value
     return cleaned
+
+
+def load_torch_file(path: str | os.PathLike, map_location=None) -> Any:
+    """``torch.load(weights_only=True)`` whose errors name the file and say what it is: a
+    missing or empty file, something that is not a ``torch.save`` file at all (garbage,
+    JSON, truncated), or one that holds pickled code (refused: loading it could run it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if not head:
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint (empty file)")
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # zip / legacy pickle
+        looks = "; it looks like JSON" if head.lstrip()[:1] in (b"{", b"[") else ""
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint (starts with {head!r}, not "
+                              f"a torch.save archive{looks})")
+    try:
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # weights_only met a global it will not call
+        detail = str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        raise CheckpointError(f"cannot read checkpoint {path}: it holds Python objects other "
+                              f"than tensors and containers, which are refused because "
+                              f"loading them could run code ({detail})") from None
+    except Exception as exc:  # a damaged archive: truncated copy, flipped bytes...
+        detail = (str(exc).splitlines() or [""])[0]
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint (a damaged or truncated "
+                              f"torch.save archive: {type(exc).__name__}: {detail})") from None
 
 
 def read_state_dict(path: str | os.PathLike, map_location=None) -> dict[str, torch.Tensor]:
@@ -115,12 +149,7 @@ def read_state_dict(path: str | os.PathLike, map_location=None) -> dict[str, tor
         raise CheckpointError(f"checkpoint {path} does not exist")
     if path.suffix.lower() == ".safetensors":
         return strip_prefixes(_read_safetensors(path, map_location))
-    try:
-        obj = torch.load(path, map_location=map_location or "cpu", weights_only=True)
-    except Exception as exc:  # pickle refusing code, truncated zip, not a torch file...
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}. "
-                              "Expected a torch.save()d state dict of RWKV-CLIP "
-                              "(files that need arbitrary code to unpickle are refused)") from None
+    obj = load_torch_file(path, map_location)
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

@@ -56,14 +56,6 @@ def test_bf16_precision_rounds_text_init():
         assert torch.equal(p, p.to(torch.bfloat16).to(p.dtype)), name
 
 
-def test_seeded_build_is_deterministic():
-    torch.manual_seed(5)
-    a = create_RWKV_Model(_tiny()).state_dict()
-    torch.manual_seed(5)
-    b = create_RWKV_Model(_tiny()).state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="image_embed_dims"):
         create_RWKV_Model(_tiny(image_embed_dims=96))

@@ -106,11 +106,6 @@ def test_exact_mode_replays_dropout_masks():
     the K=2 loss reported equals the loss of the no-grad cached features."""
     base = tiny_model(dropout=0.2, drop_path_rate=0.2)
     images, tokens = _batch()
-    torch.manual_seed(7)
-    _, _, r1 = _one_step(base, images, tokens, 2)
-    torch.manual_seed(7)
-    _, _, r2 = _one_step(base, images, tokens, 2)
-    assert r1.loss == r2.loss  # seeded: reproducible
     model = copy.deepcopy(base)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     mbs = make_micro_batches(list(images.split(4)), list(tokens.split(4)),

@@ -133,3 +133,23 @@ def test_corrupt_data_gives_a_clear_error(tmp_path):
     assert out.returncode == 2
     assert "train.py: error: " in out.stderr and "tiny.rec" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
+    (["--batch-size", "x"], "argument --batch-size: invalid int value: 'x'"),
+])
+def test_argparse_errors_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "usage:" not in err
+    assert err.startswith(f"train.py: error: {message}")
+
+
+def test_negative_keep_checkpoints_is_refused(tmp_path):
+    from rwkv_clip.errors import TrainArgsError
+    from rwkv_clip.train import main
+    with pytest.raises(TrainArgsError, match="--keep-checkpoints must be >= 0"):
+        main(parse_args(["--config", TINY_CONFIG, "--output", str(tmp_path),
+                         "--keep-checkpoints", "-1"]))

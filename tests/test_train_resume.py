@@ -1,13 +1,15 @@
 """Checkpoints: atomic writes, contents loadable by create_RWKV_Model, exact resume."""
+import errno
 import json
 
 import pytest
 import torch
+from train_util import TINY_CONFIG, make_tiny_rec, tiny_argv
 
 from rwkv_clip import create_RWKV_Model, load_model_configs
+from rwkv_clip.errors import CheckpointError, ResumeError
 from rwkv_clip.train import checkpoint as ckpt_io
 from rwkv_clip.train import main, parse_args
-from train_util import TINY_CONFIG, make_tiny_rec, tiny_argv
 
 
 @pytest.fixture(scope="module")
@@ -25,19 +27,23 @@ def _max_diff(a, b):
 
 
 def test_atomic_save_never_leaves_a_broken_file(tmp_path, monkeypatch):
+    """A full disk during a save: one clear error, the previous checkpoint kept, no
+    temporary file left."""
     good = {"state_dict": {"w": torch.ones(3)}, "step": 1}
-    path = ckpt_io.save_checkpoint(good, tmp_path, "step_1.pt")
+    ckpt_io.save_checkpoint(good, tmp_path, "step_1.pt")
     latest = tmp_path / "checkpoints" / ckpt_io.LATEST
     assert torch.load(latest, weights_only=True)["step"] == 1
 
     real_save = torch.save
 
     def crash_midway(obj, f, *a, **kw):
-        f.write(b"partial bytes")  # a crash after writing part of the file
-        raise OSError("disk full")
+        f.write(b"partial bytes")  # the disk fills after part of the file
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", crash_midway)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_2.pt \(the "
+                       r"disk is full; \d+ MiB free there\); the partial file was removed and "
+                       r"the previous checkpoint \(epoch_latest.pt\) is kept"):
         ckpt_io.save_checkpoint({"step": 2}, tmp_path, "step_2.pt")
     monkeypatch.setattr(torch, "save", real_save)
     assert not (tmp_path / "checkpoints" / "step_2.pt").exists()
@@ -46,9 +52,51 @@ def test_atomic_save_never_leaves_a_broken_file(tmp_path, monkeypatch):
             if p.name.startswith(".")] == []  # no temporary files left
 
 
+def test_files_that_are_not_checkpoints_say_so(tmp_path):
+    cases = {"empty.pt": b"", "run.json": b'{"step": 3}', "random.pt": bytes(range(7, 250)),
+             "truncated.pt": None}
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(100)}, good)
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_bytes(good.read_bytes()[:200] if content is None else content)
+        with pytest.raises(CheckpointError, match=f"{name} is not a PyTorch checkpoint") as exc:
+            ckpt_io.load_checkpoint(path)
+        assert "weights_only" not in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(CheckpointError, match=r"empty\.pt is not a PyTorch checkpoint \(empty"):
+        ckpt_io.load_checkpoint(tmp_path / "empty.pt")
+    with pytest.raises(CheckpointError, match="looks like JSON"):
+        ckpt_io.load_checkpoint(tmp_path / "run.json")
+    with pytest.raises(ResumeError, match="not a training checkpoint"):
+        ckpt_io.load_checkpoint(good)  # a torch file, but plain weights
+
+
+def test_retention_keeps_the_newest_and_latest(tmp_path):
+    folder = tmp_path / "checkpoints"
+    for step in range(1, 6):
+        ckpt_io.save_checkpoint({"step": step}, tmp_path, f"step_{step}.pt", keep=2)
+    assert sorted(p.name for p in folder.iterdir()) == [ckpt_io.LATEST, "step_4.pt",
+                                                        "step_5.pt"]
+    assert torch.load(folder / ckpt_io.LATEST, weights_only=True)["step"] == 5
+    previous = None
+    for step in range(6, 8):  # open_clip's --delete-previous-checkpoint
+        previous = str(ckpt_io.save_checkpoint({"step": step}, tmp_path, f"epoch_{step}.pt",
+                                               keep=0, previous=previous))
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch_7.pt", ckpt_io.LATEST,
+                                                        "step_4.pt", "step_5.pt"]
+    assert torch.load(folder / ckpt_io.LATEST, weights_only=True)["step"] == 7
+
+
+def test_output_not_writable_is_refused_before_any_work(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CheckpointError, match=r"output folder .*a_file/run is not writable"):
+        main(parse_args(["--output", str(blocker / "run"), "--device", "cpu"]))
+
+
 def test_resume_latest_without_checkpoint_starts_fresh(tmp_path):
     assert ckpt_io.resolve_resume("latest", tmp_path) is None
-    with pytest.raises(ckpt_io.ResumeError, match="no such checkpoint"):
+    with pytest.raises(ResumeError, match="no such checkpoint"):
         ckpt_io.resolve_resume(str(tmp_path / "missing.pt"), tmp_path)
 
 
@@ -83,11 +131,40 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_rec):
     assert resumed["steps"] == full["steps"]
     assert _max_diff(_weights(resumed["model"]), _weights(full["model"])) < 1e-6
     # and the check has teeth: the step-2 weights are far from the final ones
-    assert _max_diff(strip(state["state_dict"]), _weights(full["model"])) > 1e-4
+    assert _max_diff(state["state_dict"], _weights(full["model"])) > 1e-4
+
+    # a checkpoint in the format before lr_at (format 1: a OneCycleLR state dict, and the
+    # scheduler's keys in the optimizer's param groups) resumes to the same weights
+    old = tmp_path / "format1_step_2.pt"
+    torch.save(_as_format_1(state, lr=1e-3, total_steps=full["steps"], steps_done=2), old)
+    from_old = main(parse_args(tiny_argv(tmp_path / "from_old", tiny_rec, *extra,
+                                         "--resume", str(old))))
+    assert _max_diff(_weights(from_old["model"]), _weights(full["model"])) < 1e-6
 
 
-def strip(sd):
-    return {k: v for k, v in sd.items()}
+ONE_CYCLE_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum")
+
+
+def _as_format_1(ckpt: dict, lr: float, total_steps: int, steps_done: int) -> dict:
+    """``ckpt`` as the trainer wrote it while it stepped a torch OneCycleLR object."""
+    from torch.optim.lr_scheduler import OneCycleLR
+
+    from rwkv_clip.train.schedule import warmup_fraction
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in ckpt["optimizer"]["param_groups"]]
+    opt = torch.optim.AdamW([{"params": [p]} for p in params], lr=lr, betas=(0.9, 0.98))
+    sched = OneCycleLR(opt, max_lr=lr, total_steps=total_steps,
+                       pct_start=warmup_fraction(0.1, total_steps))
+    for _ in range(steps_done):
+        opt.step()
+        sched.step()
+    old = {k: v for k, v in ckpt.items() if k != "total_steps"}
+    old["format_version"], old["scheduler"] = 1, sched.state_dict()
+    old["total_steps"] = total_steps
+    old["optimizer"] = {"state": ckpt["optimizer"]["state"], "param_groups": [
+        {**group, **{k: sched_group[k] for k in ONE_CYCLE_GROUP_KEYS}}
+        for group, sched_group in zip(ckpt["optimizer"]["param_groups"],
+                                      opt.state_dict()["param_groups"], strict=True)]}
+    return old
 
 
 @pytest.mark.slow
@@ -97,15 +174,44 @@ def test_resume_latest_continues_and_refuses_other_models(tmp_path, tiny_rec):
     assert first["steps"] == 2
     latest = tmp_path / "run" / "checkpoints" / ckpt_io.LATEST
     assert torch.load(latest, weights_only=True)["step"] == 2
-    # without --max-steps the schedule is longer: the run continues from step 2 on the
-    # new schedule and finishes the epoch
-    again = main(parse_args(tiny_argv(tmp_path / "run", tiny_rec, "--resume", "latest")))
-    assert again["steps"] == 24 // 8
+    # a longer schedule given again is a change of the run: refused unless meant
+    longer = ["--resume", "latest", "--max-steps", "3"]
+    with pytest.raises(ResumeError, match=r"--max-steps 3 contradicts the checkpoint's 2 "
+                                          r"\(add --resume-allow-changes"):
+        main(parse_args(tiny_argv(tmp_path / "run", tiny_rec, *longer)))
+    again = main(parse_args(tiny_argv(tmp_path / "run", tiny_rec, *longer,
+                                      "--resume-allow-changes")))
+    assert again["steps"] == 3
     log = (tmp_path / "run" / "training.log").read_text()
-    assert "resumed from" in log and "step 2" in log
-    with pytest.raises(ckpt_io.ResumeError, match="n_layer"):
+    assert "resumed from" in log and "step 2" in log and "schedule length changed (2 -> 3" in log
+    with pytest.raises(ResumeError, match="--n-layer 1 contradicts the checkpoint's 2"):
         main(parse_args(tiny_argv(tmp_path / "run", tiny_rec, "--resume", "latest",
                                   "--n-layer", "1")))
+    # the data position is counted in batches: never changeable
+    with pytest.raises(ResumeError, match="--batch-size 4 contradicts.*data position"):
+        main(parse_args(tiny_argv(tmp_path / "run", tiny_rec, "--resume", "latest",
+                                  "--batch-size", "4", "--resume-allow-changes")))
+    with pytest.raises(ResumeError, match="--train-data .*other.* contradicts the checkpoint"):
+        main(parse_args(tiny_argv(tmp_path / "run", tiny_rec + "_other", "--resume", "latest")))
+
+
+@pytest.mark.slow
+def test_resume_takes_data_config_and_schedule_from_the_checkpoint(tmp_path, tiny_rec):
+    """issue 10.1: ``--resume latest --output DIR`` alone continues the same run (not the
+    built-in data set, not the default config, not the default schedule)."""
+    out = tmp_path / "run"
+    main(parse_args(tiny_argv(out, tiny_rec, "--epochs", "2", "--max-steps", "2",
+                              "--lr", "5e-4")))
+    again = main(parse_args(["--resume", "latest", "--output", str(out), "--device", "cpu",
+                             "--workers", "0", "--progress", "False", "--tensorboard",
+                             "False"]))
+    assert again["steps"] == 2 and again["zero_shot"] is None  # nothing left to train
+    log = (out / "training.log").read_text()
+    taken = next(line for line in log.splitlines() if "settings from the checkpoint:" in line)
+    for setting in (f"train_data={tiny_rec!r}", "data_format='rec'", "n_embd=64", "lr=0.0005",
+                    "max_steps=2", "epochs=2", "batch_size=8"):
+        assert setting in taken, (setting, taken)
+    assert "built-in dataset" not in log
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ def _bool_flag(group, name: str, default, help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineErrorParser(
         prog="train.py",
         description="Train RWKV-CLIP. With no arguments: the small config on the built-in "
                     "dataset on the available device, then zero-shot accuracy on its "
@@ -211,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(g, "--final-zero-shot", True, "evaluate zero-shot after training")
     _bool_flag(g, "--tensorboard", True, "write TensorBoard scalars to OUTPUT/tensorboard")
     _bool_flag(g, "--progress", True, "tqdm progress bar on rank 0")
+    add_run_safety_flags(p)
     return p
 
 
@@ -282,6 +283,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     an unknown flag, come with its usage text as usual)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.explicit = explicit_dests(argv)  # what a resume may not silently override
     try:
         return resolve_args(args)
     except (TrainArgsError, ConfigError) as exc:
@@ -294,3 +296,38 @@ def warn_ignored(args: argparse.Namespace, log=print) -> None:
                         ("--drop-path", args.drop_path)):
         if value is not None:
             log(f"note: {flag} is accepted for compatibility and ignored, as in the original")
+
+
+# ----------------------------------------------------------------------------- resume, retention
+# (issue 10: flags of the run-safety features; the logic lives in loop.py / checkpoint.py)
+
+DEFAULT_KEEP_CHECKPOINTS = 5
+
+
+def add_run_safety_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("resume and checkpoint retention")
+    _bool_flag(g, "--resume-allow-changes", False,
+               "with --resume: let flags given again change the checkpoint's run settings "
+               "(data, config, batch, precision, schedule, ...); without it a contradicting "
+               "flag is an error")
+    g.add_argument("--keep-checkpoints", type=int, default=DEFAULT_KEEP_CHECKPOINTS,
+                   metavar="N",
+                   help="keep the newest N epoch_/step_ checkpoints (plus epoch_latest.pt); "
+                        "0 keeps all")
+    _bool_flag(g, "--delete-previous-checkpoint", False,
+               "delete the previous checkpoint once a new one is written (as open_clip)")
+
+
+def explicit_dests(argv: Sequence[str] | None) -> list[str]:
+    """The destinations of the flags given on the command line (not their defaults)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return sorted(vars(parser.parse_args(argv)))
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's own errors (unknown flag, bad value) as one line, not the 30-line usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")

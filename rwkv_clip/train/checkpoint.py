@@ -20,17 +20,23 @@ over the target, so a crash never leaves a half-written checkpoint under a real 
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import ResumeError
+from ..errors import CheckpointError, ResumeError
+from ..model import load_torch_file
 
 LATEST = "epoch_latest.pt"
+CHECKPOINT_NAME = re.compile(r"(epoch|step)_\d+\.pt")
+TEMP_NAME = re.compile(r"\..+\.tmp\.(\d+)")  # atomic_save's and point_latest's
 FORMAT_VERSION = 2
 
 
@@ -104,11 +110,69 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
+        raise CheckpointError(_write_failure(path, exc)) from None
     finally:
         if tmp.exists():
             tmp.unlink()
     _fsync_dir(path.parent)
     return path
+
+
+def _write_failure(path: Path, exc: BaseException) -> str:
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.0f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    text = str(exc)
+    full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        s in text for s in ("No space left", "unexpected pos", "file write failed"))
+    what = "the disk is full" if full else f"{type(exc).__name__}: {text.splitlines()[0]}"
+    return (f"could not write checkpoint {path} ({what}; {free}); the partial file was removed "
+            f"and the previous checkpoint ({LATEST}) is kept")
+
+
+def check_writable(output: str | os.PathLike) -> None:
+    """Fail before any work when OUTPUT/checkpoints cannot be created or written; remove
+    the temporary files of saves whose process was killed (SIGKILL, power loss)."""
+    folder = checkpoint_dir(output)
+    probe = folder / f".write_test.{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+        for tmp in folder.iterdir():
+            match = TEMP_NAME.fullmatch(tmp.name)
+            if match and not _alive(int(match.group(1))):
+                tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"output folder {output} is not writable ({exc.strerror}: "
+                              f"{exc.filename}); choose another --output") from None
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def prune_checkpoints(folder: Path, keep: int, newest: Path, previous: str | None) -> None:
+    """``previous`` (when given) goes; then all but the ``keep`` newest epoch_/step_ files
+    (0: keep all). ``epoch_latest.pt`` is a hard link of ``newest`` and always stays."""
+    if previous and Path(previous) != newest and Path(previous).name != LATEST:
+        Path(previous).unlink(missing_ok=True)
+    if keep <= 0:
+        return
+    files = [p for p in folder.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and p != newest]
+    files.sort(key=lambda p: p.stat().st_mtime_ns)
+    for old in files[:max(0, len(files) - (keep - 1))]:
+        old.unlink(missing_ok=True)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -140,10 +204,13 @@ def point_latest(target: Path) -> Path:
     return latest
 
 
-def save_checkpoint(checkpoint: dict[str, Any], output: str | os.PathLike, name: str) -> Path:
-    """Write ``OUTPUT/checkpoints/NAME`` atomically, then update ``epoch_latest.pt``."""
+def save_checkpoint(checkpoint: dict[str, Any], output: str | os.PathLike, name: str,
+                    keep: int = 0, previous: str | None = None) -> Path:
+    """Write ``OUTPUT/checkpoints/NAME`` atomically, update ``epoch_latest.pt``, then apply
+    the retention (:func:`prune_checkpoints`)."""
     path = atomic_save(checkpoint, checkpoint_dir(output) / name)
     point_latest(path)
+    prune_checkpoints(path.parent, keep, path, previous)
     return path
 
 
@@ -162,10 +229,7 @@ def resolve_resume(resume: str | None, output: str | os.PathLike) -> Path | None
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ResumeError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
+    ckpt = load_torch_file(path)  # one-line errors for garbage, JSON, empty, pickled code
     needed = ("state_dict", "optimizer", "step", "epoch", "batch_in_epoch", "rng")
     missing = [k for k in needed if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
@@ -174,21 +238,61 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return ckpt
 
 
-def check_compatible(ckpt: dict[str, Any], args, path) -> None:
-    """Refuse to resume with a different model or a different step layout."""
+# The settings that make a run what it is. A resume takes them from the checkpoint; a flag
+# given again with another value is an error unless --resume-allow-changes.
+RUN_SETTINGS = ("train_data", "data_format", "train_num_samples", "loader", "builtin_root",
+                "skip_corrupt", "image_column", "caption_columns", "caption_tokens",
+                "batch_size", "gradient_acc", "accum_mode", "precision", "lr", "lr_scheduler",
+                "warmup", "epochs", "max_steps", "optimizer", "beta1", "beta2",
+                "weight_decay", "exclude_decay", "grad_clip_norm", "local_loss",
+                "gather_with_grad", "seed", "lock_image", "lock_text")
+# ... of which these can never change: the data position is counted in their batches.
+FIXED_SETTINGS = ("batch_size", "gradient_acc")
+FREE_MODEL_KEYS = ("with_cp",)  # activation checkpointing changes memory, not results
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def take_run_settings(ckpt: dict[str, Any], args, path) -> dict[str, Any]:
+    """Set ``args``' run settings and model config to the checkpoint's; return those that
+    differ from what the command line (with its defaults) said, as {key: checkpoint value}.
+
+    A flag given explicitly (``args.explicit``) that contradicts the checkpoint raises
+    :class:`ResumeError` naming both values, unless ``args.resume_allow_changes``; batch
+    size and accumulation always raise.
+    """
     saved = ckpt.get("args") or {}
     saved_model = ckpt.get("model_config") or {}
-    current_model = args.model_config
-    free = ("with_cp", "precision", "dropout", "drop_path_rate")  # may change on resume
-    diffs = [k for k in current_model
-             if k in saved_model and k not in free
-             and saved_model[k] != _json_safe(current_model[k])]
-    if diffs:
-        raise ResumeError(f"checkpoint {path} was trained with different model settings: " +
-                          ", ".join(f"{k}={saved_model[k]!r} (now {current_model[k]!r})"
-                                    for k in diffs))
-    for key in ("batch_size", "gradient_acc"):
-        if key in saved and saved[key] != getattr(args, key):
-            raise ResumeError(f"checkpoint {path} used --{key.replace('_', '-')} "
-                              f"{saved[key]}, now {getattr(args, key)}: the data position "
-                              "and schedule would not line up")
+    explicit = set(getattr(args, "explicit", None) or ())
+    allow = bool(getattr(args, "resume_allow_changes", False))
+    model = dict(args.model_config)
+    taken: dict[str, Any] = {}
+    conflicts: list[str] = []
+    candidates = [(k, saved[k], getattr(args, k), k in explicit, args.__dict__)
+                  for k in RUN_SETTINGS if k in saved and hasattr(args, k)]
+    candidates += [(k, v, model[k], k in explicit or "config" in explicit, model)
+                   for k, v in saved_model.items()
+                   if k in model and k not in FREE_MODEL_KEYS and k not in RUN_SETTINGS]
+    for key, old, new, given, target in candidates:
+        if old == _json_safe(new):
+            continue
+        if given and allow and key not in FIXED_SETTINGS:
+            continue  # the change is meant
+        if given:
+            why = ("the data position is counted in its batches; resume with the same value "
+                   "or start a new run in another --output" if key in FIXED_SETTINGS else
+                   "add --resume-allow-changes if the change is meant")
+            conflicts.append(f"{_flag(key)} {new!r} contradicts the checkpoint's {old!r} ({why})")
+            continue
+        target[key] = old
+        taken[key] = old
+    if conflicts:
+        raise ResumeError(f"--resume {path}: " + "; ".join(conflicts))
+    if "precision" in model:
+        model["precision"] = args.precision
+    args.model_config = model
+    for key, value in model.items():
+        setattr(args, key, value)
+    return taken

@@ -19,6 +19,9 @@ import functools
 import gc
 import os
 import random
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -29,7 +32,7 @@ import torch
 
 from .. import create_RWKV_Model
 from ..distributed import DistInfo, any_rank_true, barrier, cleanup_distributed, init_distributed
-from ..errors import TrainingError, run_cli
+from ..errors import ResumeError, TrainArgsError, TrainingError, run_cli
 from ..loss import ClipLoss
 from ..model import load_model_weight
 from ..precision import get_precision
@@ -59,25 +62,94 @@ class RunState:
     zero_shot_history: list[dict] = field(default_factory=list)
 
 
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM stopped the run at a step boundary, after its checkpoint. A
+    BaseException, as KeyboardInterrupt: no ``except Exception`` on the way may swallow it."""
+
+    def __init__(self, signum: int | None, step: int) -> None:
+        self.signum = signum or signal.SIGTERM
+        self.step = step
+        super().__init__(f"interrupted at step {step}; resume with --resume latest")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.signum)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports
+
+
+class StopSignals:
+    """SIGINT and SIGTERM (also what SLURM sends on preemption) as a request to stop at the
+    next step boundary. A second SIGINT stops at once (KeyboardInterrupt)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"{signal.Signals(signum).name}: stopping after the current step (checkpoint "
+              "first)", file=sys.stderr, flush=True)
+
+    def requested(self, info: DistInfo) -> bool:
+        """True on every rank once any rank got a signal (a collective under DDP)."""
+        return any_rank_true(self.signum is not None, info)
+
+
 def main(args) -> dict[str, Any]:
     """Train with resolved ``args`` (see ``rwkv_clip.train.args``); returns a summary."""
+    if args.keep_checkpoints < 0:
+        raise TrainArgsError(f"--keep-checkpoints must be >= 0 (0: keep all), got "
+                             f"{args.keep_checkpoints}")
     info = init_distributed(args.device)
+    if info.is_master:  # before any work: a run that cannot save is not started
+        ckpt_io.check_writable(args.output)
     log = setup_logging(args.output, info.rank)
     finished = False
+    stop = StopSignals()
+    stop.install()  # a signal from here on: finish the step, save, exit 130 / 143
     try:
-        result = train(args, info, log)
+        result = train(args, info, log, stop)
         finished = True
         return result
     finally:
+        stop.uninstall()
         gc.collect()  # DDP reducers must be gone before the group is destroyed
         cleanup_distributed(info, synchronize=finished)
         close_logging()
 
 
-def train(args, info: DistInfo, log) -> dict[str, Any]:
-    """Set up, resume if asked, run the optimizer steps, summarise."""
+def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[str, Any]:
+    """Set up, resume if asked, run the optimizer steps, summarise. ``stop``: SIGINT /
+    SIGTERM end the run at the next step boundary with a checkpoint (:class:`Interrupted`)."""
+    stop = stop or StopSignals()
+    ckpt_path = ckpt_io.resolve_resume(args.resume, args.output)
+    ckpt = ckpt_io.load_checkpoint(ckpt_path) if ckpt_path is not None else None
+    source = args.config_source
+    if ckpt is not None:  # the run's settings (data, config, batch, schedule...) from it
+        taken = ckpt_io.take_run_settings(ckpt, args, ckpt_path)
+        source = f"the checkpoint {ckpt_path}"
+        if taken:
+            log.info("settings from the checkpoint: " +
+                     ", ".join(f"{k}={v!r}" for k, v in taken.items()))
+    elif args.resume == "latest":
+        log.info(f"--resume latest: no checkpoint in {ckpt_io.checkpoint_dir(args.output)}, "
+                 "starting fresh")
     log.info(f"rank {info.rank}/{info.world_size} on {info.device} "
-             f"(backend {info.backend or 'none'}); model settings from {args.config_source}")
+             f"(backend {info.backend or 'none'}); model settings from {source}")
     warn_ignored(args, log.info)
     model = build_model(args, info, log)
     data = prepare_data(args, info, log)
@@ -89,7 +161,11 @@ def train(args, info: DistInfo, log) -> dict[str, Any]:
     schedule = dict(kind=args.lr_scheduler, max_lr=args.lr, total_steps=data.total_steps,
                     warmup=args.warmup)
     state = RunState()
-    rng = resume(args, info, log, model, optimizer, scaler, state, data.total_steps)
+    rng = None  # this rank's RNG states from the checkpoint, restored once data flows
+    if ckpt is not None:
+        rng = resume(ckpt, ckpt_path, info, log, model, optimizer, scaler, state,
+                     data.total_steps)
+        del ckpt
     ddp_model = model  # wrapped after loading, so every rank starts from the same weights
     if info.distributed:
         ddp_model = torch.nn.parallel.DistributedDataParallel(
@@ -112,14 +188,13 @@ def train(args, info: DistInfo, log) -> dict[str, Any]:
                 rng = None
             pending: list[tuple[torch.Tensor, torch.Tensor]] = []
             for images, tokens in batches:
-                state.batch_in_epoch += 1
                 pending.append((images, tokens))
                 if len(pending) < k:
                     continue
                 # --- one optimizer step over K micro-batches; captions drawn for all K x m
                 # samples at once from the step's own stream (independent of the split)
                 captions = caption_generator(args.seed, info.rank, state.epoch,
-                                             state.batch_in_epoch // k - 1)
+                                             state.batch_in_epoch // k)
                 micro = MicroBatchLosses(  # exact mode: the K no-grad forwards happen here
                     model, make_micro_batches([p[0] for p in pending], [p[1] for p in pending],
                                               captions, info.device),
@@ -145,6 +220,7 @@ def train(args, info: DistInfo, log) -> dict[str, Any]:
                 optimizer.zero_grad(set_to_none=True)
                 clamp_logit_scale(model)
                 state.step += 1
+                state.batch_in_epoch += k  # the state is always at a step boundary
                 state.last_loss = micro.value
                 # the speed line shows the next step's lr, as the original's did
                 next_lr = lr_at(min(state.step, data.total_steps - 1), **schedule)[0]
@@ -152,6 +228,8 @@ def train(args, info: DistInfo, log) -> dict[str, Any]:
                 del micro  # the step's batches and features are freed before saving
                 if args.save_every_steps and state.step % args.save_every_steps == 0:
                     save(f"step_{state.step}.pt", state)
+                if stop.requested(info):  # SIGINT / SIGTERM: a checkpoint, then exit
+                    raise Interrupted(stop.signum, state.step)
                 if state.batch_in_epoch >= epoch_batches or state.step >= data.total_steps:
                     break
             if state.batch_in_epoch < epoch_batches:
@@ -166,14 +244,28 @@ def train(args, info: DistInfo, log) -> dict[str, Any]:
             state.epoch += 1
             state.batch_in_epoch = 0
             save(f"epoch_{state.epoch}.pt", state)
+            if stop.requested(info):
+                raise Interrupted(stop.signum, state.step)
             if args.zero_shot_every and state.epoch % args.zero_shot_every == 0:
                 metrics = zero_shot(model, data, args, info, log, logs, state.step,
                                     f"epoch {state.epoch}")
-                state.zero_shot_history.append({"epoch": state.epoch, **(metrics or {})})
+                state.zero_shot_history.append({"epoch": state.epoch, "step": state.step,
+                                                **(metrics or {})})
         if state.step != state.last_saved_step:  # stopped inside an epoch (--max-steps)
             save(f"step_{state.step}.pt", state)
+    except Interrupted:
+        logs.close()
+        if state.step != state.last_saved_step:
+            save(f"step_{state.step}.pt", state)
+        log.info(f"interrupted at step {state.step}; resume with --resume latest")
+        raise
     except Exception as exc:
         logs.close()
+        if stop.signum is not None and not info.distributed:  # e.g. loader workers that
+            if state.step != state.last_saved_step:            # the same Ctrl-C stopped
+                save(f"step_{state.step}.pt", state)
+            log.info(f"interrupted at step {state.step}; resume with --resume latest")
+            raise Interrupted(stop.signum, state.step) from None
         if _is_oom(exc):
             raise TrainingError(out_of_memory_message(exc, args)) from exc
         raise
@@ -181,8 +273,12 @@ def train(args, info: DistInfo, log) -> dict[str, Any]:
         logs.close_bar()
         del ddp_model  # before the process group goes (gloo aborts otherwise)
         gc.collect()
-    final = zero_shot(model, data, args, info, log, logs, state.step, "final") \
-        if args.final_zero_shot else None
+    final = None
+    last = state.zero_shot_history[-1] if state.zero_shot_history else {}
+    if args.final_zero_shot and last.get("step") == state.step and "acc1" in last:
+        final = {k: v for k, v in last.items() if k not in ("epoch", "step")}  # no repeat
+    elif args.final_zero_shot:
+        final = zero_shot(model, data, args, info, log, logs, state.step, "final")
     logs.close()
     return summarise(state, model, final, logs.elapsed(), info, log)
 
@@ -219,6 +315,10 @@ class TrainData:
 def prepare_data(args, info: DistInfo, log) -> TrainData:
     from ..data import build_train_loader
 
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if args.workers and cpus and args.workers > cpus:  # more workers than cores only thrash
+        log.info(f"--workers {args.workers} > the {cpus} CPU cores available: using {cpus}")
+        args.workers = cpus
     train_data, data_format, zero_shot_dir = locate_train_data(args, info, log)
     loader = build_train_loader(loader_args(args, info, train_data, data_format),
                                 log=log.info if info.is_master else None)
@@ -272,23 +372,20 @@ def count_steps(micro_per_epoch: int, args) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- resume, save
 
-def resume(args, info: DistInfo, log, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           scaler, state: RunState, total_steps: int) -> dict | None:
-    """``--resume``: load weights, optimizer, scaler and counters into place; return this
+def resume(ckpt: dict, path, info: DistInfo, log, model: torch.nn.Module,
+           optimizer: torch.optim.Optimizer, scaler, state: RunState,
+           total_steps: int) -> dict | None:
+    """Load a checkpoint's weights, optimizer, scaler and counters into place; return this
     rank's saved RNG states (restored once the data iterator exists), or None.
 
     The learning rate needs nothing: ``lr_at`` is a function of the step. (Checkpoints
     written before it existed hold a ``scheduler`` entry, which is ignored.)
     """
-    path = ckpt_io.resolve_resume(args.resume, args.output)
-    if args.resume == "latest" and path is None:
-        log.info(f"--resume latest: no checkpoint in {ckpt_io.checkpoint_dir(args.output)}, "
-                 "starting fresh")
-    if path is None:
-        return None
-    ckpt = ckpt_io.load_checkpoint(path)
-    ckpt_io.check_compatible(ckpt, args, path)
-    model.load_state_dict(ckpt["state_dict"])
+    try:
+        model.load_state_dict(ckpt["state_dict"])
+    except RuntimeError as exc:  # only after --resume-allow-changes changed the model
+        raise ResumeError(f"--resume {path}: its weights do not fit the changed model "
+                          f"settings ({str(exc).splitlines()[0]})") from None
     optimizer.load_state_dict(ckpt["optimizer"])
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
@@ -315,7 +412,9 @@ def save_checkpoint(name: str, state: RunState, *, model, optimizer, scaler, arg
         ckpt = ckpt_io.build_checkpoint(model, optimizer, scaler, step=state.step,
                                         epoch=state.epoch, batch_in_epoch=state.batch_in_epoch,
                                         args=args, rng=rngs_all, total_steps=total_steps)
-        path = ckpt_io.save_checkpoint(ckpt, args.output, name)
+        path = ckpt_io.save_checkpoint(
+            ckpt, args.output, name, keep=args.keep_checkpoints,
+            previous=state.last_saved if args.delete_previous_checkpoint else None)
         state.last_saved = str(path)
         log.info(f"saved {path}")
     state.last_saved_step = state.step
@@ -493,4 +592,11 @@ def cli(argv=None) -> int:
     exit status 2 (argparse's own errors exit 2 as well)."""
     from .args import parse_args
 
-    return run_cli(lambda: main(parse_args(argv)), prog="train.py")
+    def run() -> int:
+        main(parse_args(argv))  # the summary dict is for library callers
+        return 0
+
+    try:
+        return run_cli(run, prog="train.py")
+    except Interrupted as exc:  # the checkpoint is written and the line printed
+        return exc.exit_code

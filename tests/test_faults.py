@@ -1,0 +1,99 @@
+"""Kill a tiny training run at random moments; what is left must load and resume exactly.
+
+Each round starts ``train.py ... --resume latest`` (a fresh start when nothing is saved
+yet), waits for a new step line, then after a random delay sends SIGKILL, SIGINT or
+SIGTERM (a checkpoint is written every step, so many signals land inside a save). After
+each round every checkpoint file loads with ``weights_only=True``; SIGINT / SIGTERM end
+with exit status 130 / 143 and ``interrupted at step N; resume with --resume latest``.
+At the end ``--resume latest`` finishes with the weights of an uninterrupted run.
+
+Rounds: ``RWKV_CLIP_FAULT_ROUNDS`` (default 6, about 2 minutes on 2 cores).
+"""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from train_util import REPO, make_tiny_rec, tiny_argv
+
+from rwkv_clip.train import main, parse_args
+from rwkv_clip.train.checkpoint import LATEST
+
+EXTRA = ["--epochs", "2", "--batch-size", "4", "--save-every-steps", "1", "--seed", "3",
+         "--dropout", "0.1", "--keep-checkpoints", "3"]
+
+
+def _start(argv, log_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    out = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *argv], stdout=out,
+                            stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    return proc, out
+
+
+def _steps_logged(path) -> int:
+    return path.read_text().count(" step:") if path.exists() else 0
+
+
+def _check_checkpoints(folder):
+    names = sorted(p.name for p in folder.iterdir() if p.suffix == ".pt")
+    for name in names:
+        state = torch.load(folder / name, weights_only=True)
+        assert {"state_dict", "optimizer", "step", "rng"} <= state.keys(), name
+    return names
+
+
+@pytest.mark.slow
+def test_random_kills_leave_loadable_checkpoints_and_resume_exactly(tmp_path):
+    data = make_tiny_rec(tmp_path / "data", n=24)  # 6 steps per epoch, 12 in all
+    reference = main(parse_args(tiny_argv(tmp_path / "reference", data, *EXTRA)))
+    assert reference["steps"] == 12
+    out = tmp_path / "run"
+    argv = tiny_argv(out, data, *EXTRA, "--resume", "latest")
+    rng = random.Random(int(os.environ.get("RWKV_CLIP_FAULT_SEED", "0")))
+    rounds = int(os.environ.get("RWKV_CLIP_FAULT_ROUNDS", "6"))
+    signals = [signal.SIGKILL, signal.SIGINT, signal.SIGTERM]
+    finished = False
+    for i in range(rounds):
+        before = _steps_logged(out / "training.log")
+        proc, log = _start(argv, tmp_path / f"round{i}.txt")
+        deadline = time.time() + 120
+        while (proc.poll() is None and _steps_logged(out / "training.log") <= before
+               and time.time() < deadline):
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.0))
+        sig = signals[i % 3] if i < 3 else rng.choice(signals)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        rc = proc.wait(timeout=120)
+        log.close()
+        text = (tmp_path / f"round{i}.txt").read_text()
+        assert "Traceback" not in text, text[-3000:]
+        if rc == 0:
+            finished = True  # the run ended before the signal landed
+        elif sig == signal.SIGKILL:
+            assert rc == -signal.SIGKILL, (rc, text[-2000:])
+        else:
+            assert rc == 128 + sig, (sig, rc, text[-2000:])
+            assert "interrupted at step" in text and "resume with --resume latest" in text
+        names = _check_checkpoints(out / "checkpoints") if (out / "checkpoints").exists() else []
+        assert len([n for n in names if n != LATEST]) <= 3  # --keep-checkpoints 3
+        if finished:
+            break
+    # finish the run; its weights are the uninterrupted run's
+    proc, log = _start(argv, tmp_path / "final.txt")
+    assert proc.wait(timeout=600) == 0, (tmp_path / "final.txt").read_text()[-3000:]
+    log.close()
+    _check_checkpoints(out / "checkpoints")
+    # the temporary files of saves cut short by SIGKILL are gone too
+    assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+    final = torch.load(out / "checkpoints" / LATEST, weights_only=True)
+    assert final["step"] == 12
+    ref = reference["model"].state_dict()
+    diff = max((final["state_dict"][k].double() - ref[k].double()).abs().max().item()
+               for k in ref)
+    assert diff < 1e-6, diff
