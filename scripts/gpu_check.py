@@ -355,7 +355,8 @@ def train_step(name: str, variant: str, checkpointing: bool, compiled: bool, tim
                     f"{'on' if checkpointing else 'off'}",
                 dry=bench + ["--device", "cpu", "--config", TINY, "--batch-size", "4",
                              "--precision", "bf16", "--warmup", "1", "--steps", "1",
-                             "--wkv-steps", wkv_steps, "--threads", "1"] + flags)
+                             "--wkv-steps", wkv_steps, "--threads", "1"] + flags
+                + (["--compile-backend", "aot_eager"] if compiled else []))  # trace, no codegen
 
 
 def memory_step(name: str, precision: str, timeout: int) -> Step:
@@ -475,10 +476,13 @@ def main(argv: list[str] | None = None) -> int:
                     "|| echo 'no nvcc'"], 20))
     runner.run(Step("imports", me + ["imports", str(site)], 90,
                     why="every module the steps import, and where it comes from"))
-    jobs = ["cpu"] + [f"{v}:{n}:{t}" for v in ("faithful", "fast") for n, t in ((64, 77), (80, 49))]
+    # the published configs' kernels (T_max 256) and the GPU tests' T=300 one (T_max 512)
+    jobs = ["cpu"] + [f"{v}:{n}:{t}" for v in ("faithful", "fast")
+                      for n, t in ((64, 77), (80, 49), (64, 300))]
     build = runner.run(Step("build_kernels", me + ["build", *jobs], 180,
                             why="kernel build time: CPU kernel and both CUDA variants for "
-                                "N=64/80 (T_max 256), one process each, in parallel"))
+                                "N=64/80 T_max 256 and N=64 T_max 512 (the GPU tests), "
+                                "one process each, in parallel"))
     if build["status"] == "timed_out" and own_cache:  # dead builders leave locks behind
         build["locks_removed"] = [str(p) for p in kernels.rglob("lock")]
         for lock in kernels.rglob("lock"):

@@ -15,7 +15,8 @@
 # preinstalled set, fills .whl/ when needed, adds a torchvision wheel for that venv's
 # Python, and runs every step; the CUDA ones run their CPU dry form and are recorded as
 # skipped ("no CUDA device"). Environment: PYTHON (default python3), GPU_CHECK_BUDGET_S
-# (default 465 on the device, 1800 in the rehearsal, whose dry runs share 2 CPU cores).
+# (default 465 on the device, 3600 in the rehearsal), GPU_CHECK_TIMEOUT_SCALE (rehearsal
+# only, default 6: its dry runs share 2 CPU cores).
 set -euo pipefail
 REHEARSE=0
 if [[ ${1:-} == --rehearse ]]; then REHEARSE=1; shift; fi
@@ -45,8 +46,10 @@ print(f'{sys.version_info[0]}.{sys.version_info[1]}', torch.__version__.split('+
     bash scripts/device_wheels.sh --dest "$DEV/wheels" --python-version "$PYVER" \
         --torch "$TORCHVER" --only torchvision,pyyaml > /dev/null
     WHEEL_ARGS+=(--wheels "$DEV/wheels")
+    # the dry runs share this machine's 2 cores and the first one builds the kernels cold
+    # (minutes of nvcc), hence the longer limits; later rehearsals reuse the built kernels
     exec "$PY" scripts/gpu_check.py --rehearse "${WHEEL_ARGS[@]}" --out "$OUT_JSON" \
-        --budget "${GPU_CHECK_BUDGET_S:-1800}"
+        --budget "${GPU_CHECK_BUDGET_S:-3600}" --timeout-scale "${GPU_CHECK_TIMEOUT_SCALE:-6}"
 fi
 
 PY=${PYTHON:-python3}
