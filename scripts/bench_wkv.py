@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # fla_anchor.py beside this file
 
 import torch  # noqa: E402
 
@@ -53,6 +54,9 @@ def make_backend(name: str):
         from rwkv_clip.ops.kernels import run_native
         variant = name.split("-", 1)[1]
         return lambda *a: run_native("cuda", *a, variant=variant)
+    if name.startswith("fla-"):  # the anchor: flash-linear-attention's RWKV-6 (fla-core)
+        from fla_anchor import make_fla_backend
+        return make_fla_backend(name)
     raise SystemExit(f"unknown backend {name!r}")
 
 
@@ -132,7 +136,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--shapes", help="B,T,H,N[;B,T,H,N...] (default depends on the device)")
-    p.add_argument("--backends", help="comma list among reference, cpu, cuda-faithful, cuda-fast")
+    p.add_argument("--backends", help="comma list among reference, cpu, cuda-faithful, cuda-fast, "
+                                      "fla-chunk, fla-fused-recurrent, fla-naive (fla_anchor.py)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of r, k, v, u")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
