@@ -39,7 +39,8 @@ from .args import warn_ignored
 from ..distributed import (DistInfo, any_rank_true, barrier, cleanup_distributed,
                            init_distributed)
 from ..precision import get_precision
-from .logger import Board, SpeedLogger, close_logging, progress_bar, setup_logging
+from .logger import (Board, SpeedLogger, close_logging, prepare_wkv_kernel, progress_bar,
+                     setup_logging)
 from .schedule import build_scheduler, current_lr, step_scheduler
 from ..errors import TrainingError, run_cli
 
@@ -141,7 +142,7 @@ def describe_zero_shot(metrics: dict) -> str:
 def main(args) -> dict[str, Any]:
     """Train with resolved ``args`` (see ``rwkv_clip.train.args``); returns a summary."""
     info = init_distributed(args.device)
-    log = setup_logging(args.output, info.rank)
+    log = setup_logging(args.output, info.rank, args.log_format)
     finished = False
     try:
         result = fit(args, info, log)
@@ -172,6 +173,7 @@ def configure_run(args, info: DistInfo, log) -> None:
     log.info(f"rank {info.rank}/{info.world_size} on {info.device} "
              f"(backend {info.backend or 'none'}); model settings from {args.config_source}")
     warn_ignored(args, log.info)
+    prepare_wkv_kernel(info.device, log)  # says so before a first-use compile
 
 
 def build_model(args, info: DistInfo, log) -> torch.nn.Module:
@@ -343,7 +345,8 @@ class Trainer:
         """TensorBoard, speed lines and progress bar, counting from the (resumed) step."""
         args, info, step, total = self.args, self.info, self.state.step, self.data.total_steps
         self.board = Board(args.output, args.tensorboard and info.is_master)
-        self.speed = SpeedLogger(args.log_every, total, info.world_size, start_step=step)
+        self.speed = SpeedLogger(args.log_every, total, info.world_size, start_step=step,
+                                 fmt=args.log_format, steps_per_epoch=self.data.steps_per_epoch)
         self.bar = progress_bar(total, step, args.progress and info.is_master)
         self.finite_everywhere = functools.partial(_all_finite, info=info)
         self.t_start = time.time()
@@ -515,6 +518,10 @@ class Trainer:
                           f", checkpoint {s.last_saved}")
             if final_metrics is not None:
                 self.log.info(f"final zero-shot accuracy: {describe_zero_shot(final_metrics)}")
+            from ..report import write_report
+            report = write_report(self.args.output, model=self.model,
+                                  zero_shot_dir=self.data.zero_shot_dir)
+            self.log.info(f"report: {report}")
         return summary
 
 
@@ -538,4 +545,8 @@ def cli(argv=None) -> int:
     exit status 2 (argparse's own errors exit 2 as well)."""
     from .args import parse_args
 
-    return run_cli(lambda: main(parse_args(argv)), prog="train.py")
+    def run() -> int:
+        main(parse_args(argv))  # returns the summary dict, not an exit status
+        return 0
+
+    return run_cli(run, prog="train.py")
