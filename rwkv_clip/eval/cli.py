@@ -155,12 +155,13 @@ def build_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available; under torchrun "
                         "each rank uses cuda:LOCAL_RANK)")
-    default_out = "retrieval_results" if retrieval else "eval_results"
-    g.add_argument("--output-dir", default=default_out, metavar="DIR",
+    g.add_argument("--output-dir", default=None, metavar="DIR",
                    help="where <dataset>_<task>.json files go (CLIP_benchmark shape). The "
-                        f"score line is appended to DIR/zero_shot_scores.txt. An argument "
-                        f"ending in .txt is read as the original's score file and the JSONs "
-                        f"go beside it. Default: {default_out}")
+                        "score line is appended to DIR/zero_shot_scores.txt. An argument "
+                        "ending in .txt is read as the original's score file and the JSONs "
+                        "go beside it. Default: beside the evaluated run (runs/X/eval_results "
+                        "for runs/X/checkpoints/Y.pt, <folder>/eval_results for other weights, "
+                        "runs/zero_shot/eval_results for a fresh model)")
     g.add_argument("--score-file", default=None, metavar="TXT",
                    help="text file to append the original's comma-separated score line to")
 

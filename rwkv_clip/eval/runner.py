@@ -24,6 +24,7 @@ from .zeroshot import evaluate_classification
 
 DEFAULT_CONFIG = "RWKV_CLIP_small"
 DEFAULT_SCORE_FILE = "zero_shot_scores.txt"
+DEFAULT_OUTPUT_DIR = "eval_results"  # the folder's name; where it goes: default_output_dir
 
 
 def log(info: DistInfo, msg: str) -> None:
@@ -130,10 +131,25 @@ def builtin_folder() -> str:
     return str(ensure_builtin_dataset().zeroshot_dir)
 
 
+def default_output_dir(opts) -> Path:
+    """Beside the evaluated checkpoint's run: ``runs/X/checkpoints/Y.pt`` ->
+    ``runs/X/eval_results``, other weights -> ``<their folder>/eval_results``; a fresh
+    model -> ``runs/zero_shot/eval_results``. Never the current folder itself."""
+    weight = opts.model_weight or opts.pretrained
+    if not weight:
+        return Path("runs") / "zero_shot" / DEFAULT_OUTPUT_DIR
+    folder = Path(weight).resolve().parent
+    if folder.name == "checkpoints":
+        folder = folder.parent
+    return folder / DEFAULT_OUTPUT_DIR
+
+
 def output_paths(opts) -> tuple[Path, Path]:
     """(JSON folder, score text file). An --output-dir ending in .txt is the original's
-    score file; the JSONs then go beside it."""
-    out = Path(opts.output_dir)
+    score file; the JSONs then go beside it. No --output-dir (None, or the parser's
+    default name): :func:`default_output_dir`."""
+    given = opts.output_dir not in (None, DEFAULT_OUTPUT_DIR)
+    out = Path(opts.output_dir) if given else default_output_dir(opts)
     if out.suffix == ".txt":
         json_dir, score = out.parent, out
     else:
@@ -210,7 +226,7 @@ def options(**kwargs) -> SimpleNamespace:
     base = dict(model_weight=None, pretrained=None, config=None, model_name=None, dataset=None,
                 data_root=None, templates=None, retrieval_file=None, caption_prefix=None,
                 task="zeroshot_classification", batch_size=64, text_batch_size=256, workers=0,
-                precision="fp32", amp=None, output_dir="eval_results", score_file=None,
+                precision="fp32", amp=None, output_dir=None, score_file=None,
                 device=None,
                 wkv_backend=None, caltech101_split="original", seed=1024)
     base.update({k: None for k in ARCH_FLAGS})
