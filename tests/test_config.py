@@ -250,7 +250,10 @@ def test_a_single_tower_flag_overrides_the_small_default():
     small = parse_args([])
     args = parse_args(["--drop-path-rate", "0", "--max-steps", "1"])
     assert args.model_config == small.model_config  # the small model, not 224 px / 384 wide
-    assert (args.n_embd, args.input_size, args.image_depth) == (128, 32, 4)
+    shipped = load_model_configs("RWKV_CLIP_small")
+    assert (args.n_embd, args.input_size, args.image_depth) == (
+        shipped.n_embd, shipped.input_size, shipped.image_depth)
+    assert args.input_size < 224 and args.n_embd < 384
     assert args.config_source == (f"{config_dir() / 'RWKV_CLIP_small.json'} overridden by "
                                   "--drop-path-rate")
     with torch.device("meta"):
