@@ -209,6 +209,8 @@ def _validate_text(args: ModelArgs, source: str) -> None:
 
 def _validate_image(args: ModelArgs, source: str) -> None:
     """The constraints the image tower and the CLIP head rely on."""
+    # the field-level checks ran first: with an image tower these are set
+    assert args.image_embed_dims is not None and args.image_num_heads is not None
     _require(args.image_embed_dims == args.n_embd, source,
              f"image_embed_dims = {args.image_embed_dims} must equal n_embd = {args.n_embd}: "
              "RWKV-CLIP has no projection layers, so both towers share one width")

@@ -61,23 +61,23 @@ class get_model(nn.Module):
         """Force a WKV backend ("cuda", "cpu", "reference") or None to follow the device."""
         for module in self.modules():
             if hasattr(module, "wkv_backend"):
-                module.wkv_backend = backend
+                setattr(module, "wkv_backend", backend)
 
 
 RWKVCLIP = get_model  # a descriptive alias
 
 
 def build_image_tower(args: ModelArgs) -> Image_RWKV:
-    return Image_RWKV(img_size=args.input_size,
-                      patch_size=args.image_patch_size,
-                      embed_dims=args.image_embed_dims,
-                      hidden_rate=args.image_hidden_rate,
-                      depth=args.image_depth,
-                      num_heads=args.image_num_heads,
+    # complete_args(with_image=True) has checked that every image field is set
+    size, patch, dims = args.input_size, args.image_patch_size, args.image_embed_dims
+    depth, heads = args.image_depth, args.image_num_heads
+    assert size is not None and patch is not None and dims is not None
+    assert depth is not None and heads is not None
+    return Image_RWKV(img_size=size, patch_size=patch, embed_dims=dims,
+                      hidden_rate=args.image_hidden_rate, depth=depth, num_heads=heads,
                       output_cls_token=args.image_output_cls_token,
                       with_cls_token=args.image_with_cls_token,
-                      drop_path_rate=args.drop_path_rate,
-                      with_cp=args.with_cp)
+                      drop_path_rate=args.drop_path_rate, with_cp=args.with_cp)
 
 
 def create_RWKV_Model(args: Any, model_weight_path: str | os.PathLike | None = None,

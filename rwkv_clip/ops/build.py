@@ -218,11 +218,12 @@ def cuda_arch_list() -> str:
                      if a.startswith("sm_") and a.split("_")[1].isdigit()]
         top = max(((sm // 10, sm % 10) for sm in supported), default=(99, 9))
         for i in range(torch.cuda.device_count()):
-            cap = min(top, tuple(torch.cuda.get_device_capability(i)))
+            major, minor = torch.cuda.get_device_capability(i)
+            cap = min(top, (major, minor))
             if cap not in archs:
                 archs.append(cap)
     if not archs:
-        archs = [tuple(int(x) for x in a.split(".")) for a in DEFAULT_CUDA_ARCHS]
+        archs = [(int(a.split(".")[0]), int(a.split(".")[1])) for a in DEFAULT_CUDA_ARCHS]
     names = [f"{major}.{minor}" for major, minor in sorted(archs)]
     names[-1] += "+PTX"
     return ";".join(names)
