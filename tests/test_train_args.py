@@ -3,10 +3,10 @@ import subprocess
 import sys
 
 import pytest
+from train_util import REPO, TINY_CONFIG
 
 from rwkv_clip import load_model_configs
 from rwkv_clip.train.args import parse_args, str2bool
-from train_util import REPO, TINY_CONFIG
 
 # shell/train_RWKV_CLIP_B32_YFCC15M.sh, its train.py arguments with the values filled in
 ORIGINAL_B32_SCRIPT = [
