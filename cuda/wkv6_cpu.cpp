@@ -21,14 +21,15 @@
 // are written in the inputs' dtypes, so the caller never makes dtype copies. Scratch is
 // thread_local and only grows, so after the first call nothing is allocated but the
 // outputs. Inner loops run over channels with unit stride and compile-time trip counts
-// (N = 32, 64, 80, 128) for the compiler to vectorise; the forward keeps blocks of 16
-// outputs in registers across the whole key loop.
+// (N = 32, 64, 80, 128) for the compiler to vectorise; the forward updates four state
+// rows per pass over the outputs, and exp is a vectorisable polynomial.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -98,6 +99,29 @@ inline void load_u(const at::Tensor& u, int64_t h, int64_t N, float* dst) {
     load_slab(u, h * N, dst, 1, N, N);
 }
 
+// exp(x) for float, branch-free so that `omp simd` loops vectorise it (std::exp is a
+// scalar libm call: it took a quarter of the forward). x = n ln2 + r, |r| <= ln2 / 2,
+// e^r by the Cephes degree-6 polynomial; max relative error 8e-8 on [-87, 88], inputs
+// clamped to that range (exp(-87) is 1.6e-38: a decay of zero for every purpose here).
+// Needs -fno-trapping-math to vectorise (build.py passes it).
+inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r -= n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 inline void load_inputs(Slabs& s, const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& w, int64_t off, int64_t T, int64_t C, int64_t N) {
     load_slab(r, off, s.r.data(), T, C, N);
@@ -105,17 +129,18 @@ inline void load_inputs(Slabs& s, const at::Tensor& r, const at::Tensor& k, cons
     load_slab(v, off, s.v.data(), T, C, N);
     load_slab(w, off, s.ew.data(), T, C, N);
     const int64_t n = T * N;
+    float* ew = s.ew.data();
+    float* d = s.d.data();
+#pragma omp simd
     for (int64_t q = 0; q < n; ++q) {
-        const float e = -std::exp(s.ew[q]);
-        s.ew[q] = e;
-        s.d[q] = std::exp(e);
+        const float e = -exp_approx(ew[q]);
+        ew[q] = e;
+        d[q] = exp_approx(e);
     }
 }
 
 // One direction of the forward pass, accumulated into y (T, N rows of the output).
 // NC > 0 fixes the head size at compile time (better code); NC == 0 uses n.
-constexpr int64_t kBlock = 16;  // outputs kept in registers (two AVX2 / one AVX-512 vector)
-
 template <int NC>
 void forward_scan(const float* r, const float* k, const float* v, const float* d,
                   const float* u, float* state, float* y, int64_t T, int64_t C, int64_t n,
@@ -134,26 +159,30 @@ void forward_scan(const float* r, const float* k, const float* v, const float* d
 #pragma omp simd reduction(+ : ruk)
             for (int64_t j = 0; j < N; ++j) ruk += rt[j] * u[j] * kt[j];
         }
-        if constexpr (NC > 0 && NC % kBlock == 0) {
-            // y[t, block] stays in registers over all N key channels: one load and one
-            // store of the state per multiply-add pair, nothing else touches memory
-            for (int64_t ib = 0; ib < N; ib += kBlock) {
-                float acc[kBlock];
-                const float* vb = vt + ib;
+        if constexpr (NC > 0 && NC % 4 == 0) {
+            // four key channels per pass over the outputs: y[t] is loaded and stored once
+            // per four state rows instead of once per row (measured 1.3x on the scan)
+            if (u != nullptr) {
 #pragma omp simd
-                for (int64_t i = 0; i < kBlock; ++i) acc[i] = yt[ib + i] + ruk * vb[i];
-                for (int64_t j = 0; j < N; ++j) {
-                    float* row = state + j * N + ib;
-                    const float rj = rt[j], kj = kt[j], dj = dt[j];
+                for (int64_t i = 0; i < N; ++i) yt[i] += ruk * vt[i];
+            }
+            for (int64_t j = 0; j < N; j += 4) {
+                float* s0 = state + j * N;
+                float* s1 = s0 + N;
+                float* s2 = s1 + N;
+                float* s3 = s2 + N;
+                const float r0 = rt[j], r1 = rt[j + 1], r2 = rt[j + 2], r3 = rt[j + 3];
+                const float k0 = kt[j], k1 = kt[j + 1], k2 = kt[j + 2], k3 = kt[j + 3];
+                const float d0 = dt[j], d1 = dt[j + 1], d2 = dt[j + 2], d3 = dt[j + 3];
 #pragma omp simd
-                    for (int64_t i = 0; i < kBlock; ++i) {
-                        const float s = row[i];
-                        acc[i] += rj * s;
-                        row[i] = dj * s + kj * vb[i];
-                    }
+                for (int64_t i = 0; i < N; ++i) {
+                    const float a0 = s0[i], a1 = s1[i], a2 = s2[i], a3 = s3[i], vi = vt[i];
+                    yt[i] += r0 * a0 + r1 * a1 + r2 * a2 + r3 * a3;
+                    s0[i] = d0 * a0 + k0 * vi;
+                    s1[i] = d1 * a1 + k1 * vi;
+                    s2[i] = d2 * a2 + k2 * vi;
+                    s3[i] = d3 * a3 + k3 * vi;
                 }
-#pragma omp simd
-                for (int64_t i = 0; i < kBlock; ++i) yt[ib + i] = acc[i];
             }
         } else {
             if (u != nullptr) {

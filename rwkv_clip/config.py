@@ -19,6 +19,7 @@ loading a config sets no environment variables: kernel sizes come from the tenso
 """
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 from collections.abc import Mapping
@@ -268,9 +269,15 @@ def complete_args(args: Any, source: str = "model args", with_image: bool = True
     derived defaults filled in; ``args`` itself is left as it was.
 
     ``with_image=False`` accepts a text-only config (for a bare ``Text_RWKV(args)``).
+    An ``argparse.Namespace`` (the original's scripts pass their whole command line)
+    contributes only the config keys it holds; a dict or other namespace must hold config
+    keys only.
     """
     if isinstance(args, Mapping):
         params = dict(args)
+    elif isinstance(args, argparse.Namespace):
+        known = {f.name for f in fields(ModelArgs)}
+        params = {k: v for k, v in vars(args).items() if k in known}
     else:
         try:
             params = dict(vars(args))  # a ModelArgs too: its fields and any attribute set

@@ -100,9 +100,14 @@ def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     """Remove DDP's ``module.`` and torch.compile's ``_orig_mod.`` from every key."""
     cleaned = {}
     for key, value in state_dict.items():
-        for prefix in ("module.", "_orig_mod."):
-            if prefix in key:
-                key = key.split(prefix)[-1]
+        # only leading wrappers (DDP around compile or the other way round); a name such
+        # as "blocks.0.module.x" inside the model keeps its "module."
+        stripped = True
+        while stripped:
+            stripped = False
+            for prefix in ("module.", "_orig_mod."):
+                if key.startswith(prefix):
+                    key, stripped = key[len(prefix):], True
         cleaned[key] = value
     return cleaned
 
@@ -136,8 +141,14 @@ def load_torch_file(path: str | os.PathLike, map_location=None) -> Any:
 
 
 def read_state_dict(path: str | os.PathLike, map_location=None) -> dict[str, torch.Tensor]:
-    """Load a checkpoint file safely (``weights_only=True``): a plain state dict, or one of
-    our training checkpoints (``{"state_dict": ...}`` / ``{"model": ...}``)."""
+    """Load a checkpoint file safely: ``.safetensors``, or a ``torch.save`` file read
+    with ``weights_only=True`` holding a plain state dict or one of our training
+    checkpoints (``{"state_dict": ...}`` / ``{"model": ...}``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.suffix.lower() == ".safetensors":
+        return strip_prefixes(_read_safetensors(path, map_location))
     obj = load_torch_file(path, map_location)
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
@@ -145,6 +156,20 @@ def read_state_dict(path: str | os.PathLike, map_location=None) -> dict[str, tor
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"checkpoint {path} does not hold a state dict of tensors")
     return strip_prefixes(obj)
+
+
+def _read_safetensors(path: Path, map_location=None) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise CheckpointError(f"checkpoint {path}: reading .safetensors needs the safetensors "
+                              "package (pip install safetensors)") from None
+    device = str(map_location) if map_location is not None else "cpu"
+    try:
+        return load_file(str(path), device=device)
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}. "
+                              "Expected a safetensors file of RWKV-CLIP's state dict") from None
 
 
 def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
@@ -170,8 +195,15 @@ def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
 
 def load_model_weight(model: nn.Module, model_weight: str | os.PathLike,
                       map_location=None) -> nn.Module:
-    """Load weights strictly; values land on the model's device, in its dtypes."""
-    state_dict = read_state_dict(model_weight, map_location=map_location)
-    check_state_dict(model, state_dict, str(model_weight))
+    """Load weights strictly; values land on the model's device, in its dtypes.
+
+    ``model_weight`` is a file (``.pt``/``.safetensors``) or a published name
+    (``RWKV-CLIP-B32:yfcc15m``, ``hf-hub:OWNER/REPO[/FILE]``, see :mod:`rwkv_clip.pretrained`).
+    """
+    from .pretrained import resolve_pretrained
+
+    weights = resolve_pretrained(model_weight)
+    state_dict = read_state_dict(weights.path, map_location=map_location)
+    check_state_dict(model, state_dict, weights.label)
     model.load_state_dict(state_dict, strict=True)
     return model

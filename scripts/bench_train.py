@@ -112,6 +112,10 @@ def main(argv=None) -> int:
                     help="steps with the WKV op timed (default 3 GPU, 1 CPU; 0 to skip)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the model (warm-up steps include the compilation)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend (aot_eager: trace only, no code generation)")
     ns = ap.parse_args(argv)
     gpu = ns.device == "cuda"
     config = ns.config or str(REPO / "model_config" /
@@ -130,6 +134,8 @@ def main(argv=None) -> int:
     rss_before_kib = rss_kib()
     args, model = build_model(config, device, ns.checkpointing, ns.wkv_backend)
     model.train()
+    if ns.compile:
+        model = torch.compile(model, backend=ns.compile_backend)
     images, tokens = synthetic_batch(args, batch, device)
     step = make_step(model, precision, device.type)
 
@@ -189,6 +195,8 @@ def main(argv=None) -> int:
         "precision": precision,
         "checkpointing": ns.checkpointing,
         "wkv_backend": backend,
+        "cuda_variant": os.environ.get("RWKV_CLIP_WKV_CUDA_VARIANT", "default") if gpu else None,
+        "compiled": ns.compile_backend if ns.compile else False,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "warmup_steps": warmup,

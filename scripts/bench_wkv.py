@@ -16,6 +16,11 @@ with backends cuda-faithful and cuda-fast; on CPU scaled-down shapes (16, 77, 10
     python scripts/bench_wkv.py                       # defaults for this machine
     python scripts/bench_wkv.py --device cpu --shapes 16,77,10,64
     python scripts/bench_wkv.py --device cuda --dtype bf16
+    python scripts/bench_wkv.py --threads 1 --clock cpu   # on a busy shared machine
+
+``--clock cpu`` times with the calling thread's CPU clock (``time.thread_time``), which
+other processes on a shared machine do not inflate; it needs ``--threads 1`` (the kernel
+then runs on the calling thread) and a CPU device.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # fla_anchor.py beside this file
 
 import torch  # noqa: E402
 
@@ -48,6 +54,9 @@ def make_backend(name: str):
         from rwkv_clip.ops.kernels import run_native
         variant = name.split("-", 1)[1]
         return lambda *a: run_native("cuda", *a, variant=variant)
+    if name.startswith("fla-"):  # the anchor: flash-linear-attention's RWKV-6 (fla-core)
+        from fla_anchor import make_fla_backend
+        return make_fla_backend(name)
     raise SystemExit(f"unknown backend {name!r}")
 
 
@@ -88,7 +97,7 @@ def check(fn, inputs, gy, rows):
     return errs
 
 
-def time_backend(fn, inputs, gy, device, warmup, repeats):
+def time_backend(fn, inputs, gy, device, warmup, repeats, clock=time.perf_counter):
     xs = [x.detach().clone().requires_grad_() for x in inputs]
 
     def fwd():
@@ -105,10 +114,10 @@ def time_backend(fn, inputs, gy, device, warmup, repeats):
         sync(device)
         times = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = clock()
             f()
             sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append((clock() - t0) * 1e3)
         out[key] = round(statistics.median(times), 3)
     return out
 
@@ -127,11 +136,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--shapes", help="B,T,H,N[;B,T,H,N...] (default depends on the device)")
-    p.add_argument("--backends", help="comma list among reference, cpu, cuda-faithful, cuda-fast")
+    p.add_argument("--backends", help="comma list among reference, cpu, cuda-faithful, cuda-fast, "
+                                      "fla-chunk, fla-fused-recurrent, fla-naive (fla_anchor.py)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of r, k, v, u")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
+    p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                   help="wall: perf_counter; cpu: this thread's CPU time (needs --threads 1)")
     p.add_argument("--check-batch", type=int, default=2, help="rows checked against float64")
     p.add_argument("--tolerance", type=float, default=None,
                    help="max relative error to pass the check (default 1e-4 fp32, 2e-2 bf16/fp16)")
@@ -143,6 +155,10 @@ def main(argv=None):
         device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        raise SystemExit("--clock cpu needs --device cpu and --threads 1 (the calling thread's "
+                         "CPU time only covers work done on that thread)")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     on_gpu = device.type == "cuda"
     shapes = parse_shapes(args.shapes) if args.shapes else (GPU_SHAPES if on_gpu else CPU_SHAPES)
     if args.backends:
@@ -159,6 +175,7 @@ def main(argv=None):
         "device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
         "dtype": args.dtype,
         "baseline": baseline,
         "tolerance": tol,
@@ -177,7 +194,8 @@ def main(argv=None):
                 rec["max_rel_err"] = {k: float(f"{v:.3g}") for k, v in errs.items()}
                 rec["check_passed"] = max(errs.values()) <= tol
                 if rec["check_passed"]:
-                    rec.update(time_backend(fn, inputs, gy, device, args.warmup, args.repeats))
+                    rec.update(time_backend(fn, inputs, gy, device, args.warmup, args.repeats,
+                                            clock))
                 else:
                     ok = False
             except Exception as e:  # reported in the JSON, not fatal for the others

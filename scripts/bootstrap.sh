@@ -8,5 +8,5 @@ if [[ ! -x .venv/bin/python ]]; then
     "$PYTHON" -m venv .venv
 fi
 EXTRAS=${RWKV_CLIP_EXTRAS:-dev,dali}
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[${EXTRAS}]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt -e ".[${EXTRAS}]"
 .venv/bin/python -c "import rwkv_clip, torch; print(f'rwkv_clip {rwkv_clip.__version__} ready (torch {torch.__version__}, CUDA available: {torch.cuda.is_available()})')"

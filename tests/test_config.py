@@ -9,14 +9,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from train_util import REPO, TINY_CONFIG
 
 import rwkv_clip.model
 import rwkv_clip.text_rwkv
-from rwkv_clip import (ClipLoss, ConfigError, ModelArgs, Text_RWKV, create_RWKV_Model,
-                       load_model_configs)
+from rwkv_clip import (
+    ClipLoss,
+    ConfigError,
+    ModelArgs,
+    Text_RWKV,
+    create_RWKV_Model,
+    load_model_configs,
+)
 from rwkv_clip.config import available_configs, complete_args, config_dir, read_config_json
 from rwkv_clip.train.args import build_parser, parse_args, resolve_model_config
-from train_util import REPO, TINY_CONFIG
 
 
 def _tiny_params() -> dict:
@@ -284,3 +290,14 @@ def test_train_py_with_a_bad_config_prints_one_line_and_exits_2(tmp_path):
     assert out.stderr.splitlines() == [
         f"train.py: error: unknown key 'image_embed_dim' in model config {path}; "
         "did you mean 'image_embed_dims'?"]
+
+
+def test_an_argparse_namespace_contributes_only_its_config_keys():
+    """The original's train.py passes its whole command line to create_RWKV_Model."""
+    import argparse
+
+    from rwkv_clip.config import complete_args, load_model_configs
+
+    base = load_model_configs("RWKV_CLIP_tiny")
+    ns = argparse.Namespace(**base.to_dict(), lr=0.1, batch_size=3)
+    assert complete_args(ns).to_dict() == complete_args(base).to_dict()

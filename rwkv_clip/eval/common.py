@@ -2,6 +2,7 @@
 readable errors, batched text encoding."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
@@ -12,6 +13,17 @@ from torch.utils.data import DataLoader, Dataset
 from ..precision import get_precision
 from .datasets import ImageReadError
 from .distributed import DistInfo, current, fail_together, gather_rows, shard_range
+
+
+def progress(iterable, desc: str, total: int | None = None, info: DistInfo | None = None):
+    """tqdm over evaluation batches on the main rank, hidden when stderr is not a terminal
+    (as the training bar), so redirected logs stay clean."""
+    from tqdm import tqdm
+
+    show = (info or current()).is_main
+    return tqdm(iterable, desc=desc, total=total, unit="batch", leave=False, file=sys.stderr,
+                dynamic_ncols=True, disable=None if show else True)
+
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager:
     """Autocast context for ``precision`` on ``device`` (fp32 and tf32: none)."""
@@ -62,7 +74,7 @@ def encode_image_shard(model, dataset: Dataset, device: torch.device, batch_size
                         batch_size=batch_size, shuffle=False, num_workers=workers,
                         collate_fn=_collate, drop_last=False)
     all_idx, all_tgt, all_out = [], [], []
-    for batch in loader:
+    for batch in progress(loader, "encoding images", info=info):
         if "errors" in batch:
             raise ImageReadError(f"cannot read image {batch['errors'][0]}"
                                  + (f" (and {len(batch['errors']) - 1} more in this batch)"
@@ -111,7 +123,8 @@ def encode_texts(model, texts: Sequence[str], device: torch.device, batch_size: 
 
     feats = []
     ctx_len = getattr(getattr(model.text_model, "args", None), "ctx_len", 77)
-    for start in range(0, len(texts), batch_size):
+    starts = range(0, len(texts), batch_size)
+    for start in progress(starts, "encoding texts", total=len(starts)):
         tokens = tokenize(list(texts[start:start + batch_size]), context_length=ctx_len)
         with autocast(device, precision):
             f = model.encode_text(tokens.to(device))

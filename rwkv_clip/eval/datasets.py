@@ -14,7 +14,8 @@ Splits follow the original (``dataloaders/*.py``):
   seeded it with ``3072 + hash("sun397") % 2048``, which changes with every Python
   process (salted string hashing); we use ``3072 + zlib.crc32(b"sun397") % 2048`` and
   list the images in sorted order, so the split is the same on every run and machine.
-* every other set - the torchvision ``test`` split (imagenet: the ``val`` folder).
+* every other set - the torchvision ``test`` split (imagenet: the ``val`` folder, or the
+  original's ``val.rec`` + ``val.idx``).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
-from ..errors import EvalError
+from ..errors import DataError, EvalError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 ORIGINAL_SEED = 3072  # the original zero_shot.py passes seed=3072 to every loader
@@ -287,6 +288,51 @@ class SUN397Images(Dataset):
         return self.reader[index]
 
 
+class RecordImageSet(Dataset):
+    """Images and class indices from an MXNet RecordIO pair (``val.rec`` + ``val.idx``),
+    read as the original's DALI ``readers.mxnet`` does: in index order, label = the
+    record header's label (or the first entry of its label vector). Decoding, label and
+    layout problems raise :class:`~rwkv_clip.errors.DataError` naming file and record,
+    as for training data."""
+
+    def __init__(self, rec_path: str, transform=None, num_classes: int | None = None):
+        from ..data.recordio import RecordIOReader
+
+        self.reader = RecordIOReader(rec_path)  # checks .rec/.idx presence and the index
+        self.transform = transform
+        self.num_classes = num_classes
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def describe(self, index: int) -> str:
+        return f"{self.reader.rec_path} record {self.reader.keys[index]}"
+
+    def label(self, header, labels, key) -> int:
+        value = float(header.label if labels is None else labels[0])
+        if not value.is_integer() or value < 0 or (self.num_classes is not None
+                                                   and value >= self.num_classes):
+            expected = f"0..{self.num_classes - 1}" if self.num_classes else ">= 0"
+            raise DataError(f"label {value} is not a class index ({expected})",
+                            self.reader.rec_path, key)
+        return int(value)
+
+    def __getitem__(self, index: int):
+        import io
+
+        key, header, labels, data = self.reader.read_item(index)
+        target = self.label(header, labels, key)
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                img = img.convert("RGB")
+        except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad bytes
+            raise DataError(f"undecodable image ({type(exc).__name__}: {exc})",
+                            self.reader.rec_path, key) from None
+        if self.transform is not None:
+            img = self.transform(img)
+        return img, target
+
+
 def random_split_indices(n: int, lengths: Sequence[int], seed: int) -> list[list[int]]:
     """Index lists of ``torch.utils.data.random_split(range(n), lengths, generator seeded
     with seed)`` (identical permutation, so identical subsets)."""
@@ -334,7 +380,7 @@ LAYOUTS = {
     "dtd": "{root}/dtd/dtd/images/<class>/*.jpg\n{root}/dtd/dtd/labels/test1.txt   (torchvision DTD, partition 1)",
     "caltech101": "{root}/caltech101/101_ObjectCategories/<category>/image_0001.jpg ...   (torchvision Caltech101)",
     "aircraft": "{root}/fgvc-aircraft-2013b/data/{{images/, images_variant_test.txt, variants.txt}}   (torchvision FGVCAircraft)",
-    "imagenet": "{root}/imagenet/val/<wnid>/*.JPEG   (1000 class folders, sorted wnid order)\n  or {root}/val/<wnid>/*.JPEG",
+    "imagenet": "{root}/imagenet/val/<wnid>/*.JPEG   (1000 class folders, sorted wnid order)\n  or {root}/val/<wnid>/*.JPEG\n  or {root}/imagenet/val.rec + val.idx   (the original's MXNet RecordIO; label = class index)\n  or {root}/val.rec + val.idx",
 }
 
 
@@ -442,14 +488,20 @@ def build_classification_set(name: str, data_root: str | os.PathLike, transform=
         describe = lambda i: full.samples[test_idx[i]][0]  # noqa: E731
     elif name == "imagenet":
         folder = next((p for p in (root / "imagenet" / "val", root / "val") if p.is_dir()), None)
-        if folder is None:
+        rec = next((p for p in (root / "imagenet" / "val.rec", root / "val.rec") if p.is_file()),
+                   None)
+        if folder is not None:
+            classes, samples = scan_image_folder(folder)
+            if len(classes) != 1000:
+                raise _missing(name, root, layout, f"(found {len(classes)} class folders in "
+                               f"{folder}, expected 1000)")
+            ds = ImageListDataset(samples, transform)
+            describe = lambda i: samples[i][0]  # noqa: E731
+        elif rec is not None:
+            ds = RecordImageSet(str(rec), transform, num_classes=1000)
+            describe = ds.describe
+        else:
             raise _missing(name, root, layout)
-        classes, samples = scan_image_folder(folder)
-        if len(classes) != 1000:
-            raise _missing(name, root, layout, f"(found {len(classes)} class folders in {folder}, "
-                           "expected 1000)")
-        ds = ImageListDataset(samples, transform)
-        describe = lambda i: samples[i][0]  # noqa: E731
     else:  # pragma: no cover - PAPER_DATASETS is exhaustive
         raise EvalError(name)
     classnames = default_classnames(name)

@@ -42,15 +42,17 @@ ANNOTATION_CANDIDATES = {
     "flickr30k": ("flickr30k_test.json", "annotations/flickr30k_test.json",
                   "dataset_flickr30k.json", "annotations/dataset_flickr30k.json"),
 }
+# Sub-folders of a common data root that hold a set (one --data-root for all sets).
+SET_FOLDERS = {"mscoco": ("coco", "mscoco"), "flickr30k": ("flickr30k", "flickr")}
 IMAGE_DIR_CANDIDATES = {
     "mscoco": (".", "images"),
     "flickr30k": (".", "flickr30k-images", "images"),
 }
 RETRIEVAL_LAYOUTS = {
-    "mscoco": "{root}/coco_karpathy_test.json  (or dataset_coco.json, also under annotations/)\n"
-              "{root}/val2014/COCO_val2014_*.jpg",
+    "mscoco": "{root}/coco_karpathy_test.json (or dataset_coco.json, also under annotations/)\n"
+              "{root}/val2014/COCO_val2014_*.jpg  ({root} may also be a folder holding coco/)",
     "flickr30k": "{root}/flickr30k_test.json  (or dataset_flickr30k.json, also under annotations/)\n"
-                 "{root}/flickr30k-images/*.jpg",
+                 "{root}/flickr30k-images/*.jpg  ({root} may also hold flickr30k/)",
 }
 
 
@@ -166,8 +168,14 @@ def build_retrieval_set(name: str, data_root: str | os.PathLike | None = None,
         raise EvalError(f"retrieval set {key!r} needs --data-root. Expected layout:\n    "
                         + RETRIEVAL_LAYOUTS[key].format(root="<data-root>").replace("\n", "\n    "))
     root = Path(data_root) if data_root is not None else Path(retrieval_file).parent
-    ann = Path(retrieval_file) if retrieval_file else next(
-        (root / c for c in ANNOTATION_CANDIDATES[key] if (root / c).is_file()), None)
+    ann = Path(retrieval_file) if retrieval_file else None
+    if ann is None:  # the set's folder itself, or a data root holding it as a sub-folder
+        for base in [root] + [root / sub for sub in SET_FOLDERS[key]]:
+            ann = next((base / c for c in ANNOTATION_CANDIDATES[key] if (base / c).is_file()),
+                       None)
+            if ann is not None:
+                root = base
+                break
     if ann is None:
         raise DatasetNotFoundError(
             f"retrieval set {key!r} not found under --data-root {root}. Expected layout:\n    "

@@ -1,42 +1,30 @@
-"""What ``zero_shot.py`` runs: build the model, evaluate each requested set (sharded over
-torchrun ranks when launched that way), write the JSON results, the summary table and
-the original's score line. The CLI only parses arguments and calls :func:`run`."""
+"""What ``zero_shot.py`` and ``text_image_retrieval.py`` run: build the model, evaluate
+each requested set (sharded over torchrun ranks when launched that way) with the
+original's preprocessing for that set, in fp32 unless ``--amp`` asks for autocast, write
+the JSON results, the summary table and the original's score line. The CLIs
+(:mod:`rwkv_clip.eval.cli`) only parse arguments and call :func:`run`."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from ..config import ConfigError, available_configs, model_args_from_dict, read_config_json
 from ..distributed import DistInfo, cleanup_distributed, init_distributed
 from ..precision import get_precision
-from ..config import (ConfigError, available_configs, load_model_configs, model_args_from_dict,
-                      read_config_json)
-from .datasets import EvalError, PAPER_DATASETS, build_classification_set, canonical_name
+from ..pretrained import apply_overrides, infer_config, resolve_pretrained
+from .cli import ARCH_FLAGS
+from .datasets import PAPER_DATASETS, EvalError, build_classification_set, canonical_name
 from .results import append_score_line, result_record, summary, write_result
 from .retrieval import RETRIEVAL_ALIASES, build_retrieval_set, evaluate_retrieval
+from .transforms import eval_transform, protocol
 from .zeroshot import evaluate_classification
 
 DEFAULT_CONFIG = "RWKV_CLIP_small"
 DEFAULT_SCORE_FILE = "zero_shot_scores.txt"
-# Architecture flags of the original scripts (shell/test_zero_shot_*.sh) -> config keys.
-ARCH_FLAGS = ("input_size", "image_depth", "image_embed_dims", "image_patch_size",
-              "image_hidden_rate", "image_num_heads", "image_output_cls_token",
-              "image_with_cls_token", "ctx_len", "vocab_size", "text_initialization",
-              "head_size", "text_num_head", "head_size_divisor", "n_layer", "n_embd",
-              "dim_att", "dim_ffn", "pos_emb", "head_qk", "tiny_att_dim", "tiny_att_layer",
-              "dropout")
-# The original zero_shot.py's argparse defaults, the base when only such flags are given.
-ORIGINAL_ARCH_DEFAULTS = {
-    "input_size": 224, "image_depth": 12, "image_embed_dims": 384, "image_patch_size": 16,
-    "image_hidden_rate": 4, "image_num_heads": 6, "image_output_cls_token": False,
-    "image_with_cls_token": False, "ctx_len": 77, "vocab_size": 49408,
-    "text_initialization": True, "head_size": 64, "text_num_head": 0, "head_size_divisor": 8,
-    "n_layer": 12, "n_embd": 384, "dim_att": 0, "dim_ffn": 0, "pos_emb": 0, "head_qk": 0,
-    "tiny_att_dim": 0, "tiny_att_layer": -999, "dropout": 0.0, "precision": "bf16",
-}
+DEFAULT_OUTPUT_DIR = "eval_results"  # the folder's name; where it goes: default_output_dir
 
 
 def log(info: DistInfo, msg: str) -> None:
@@ -44,72 +32,67 @@ def log(info: DistInfo, msg: str) -> None:
         print(msg, flush=True)
 
 
+# ------------------------------------------------------------------ precision
+def evaluation_precision(opts) -> str:
+    """The precision evaluation computes in: fp32 unless ``--amp`` opts into autocast.
+
+    The original's ``--precision`` (bf16 in its shell scripts) only set RWKV_FLOAT_MODE,
+    which rounds the text tower's initialisation; the loaded checkpoint overwrites that
+    and its zero_shot.py / text_image_retrieval.py run the encoders in fp32.
+    """
+    return getattr(opts, "amp", None) or "fp32"
+
+
 # ------------------------------------------------------------------ model
-def _config_dict(path_or_name: str) -> dict:
-    return read_config_json(path_or_name)[0]
-
-
 def _arch_overrides(opts) -> dict:
     return {k: getattr(opts, k) for k in ARCH_FLAGS if getattr(opts, k, None) is not None}
 
 
-def infer_config_name(state_dict: dict) -> str | None:
-    """The shipped config whose parameter names and shapes match ``state_dict``."""
-    from ..model import create_RWKV_Model
-
-    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
-    for name in available_configs():
-        try:
-            args = load_model_configs(name)
-            with torch.device("meta"):
-                model = create_RWKV_Model(args)
-        except Exception:  # noqa: BLE001 - a config that cannot build simply does not match
-            continue
-        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        if expected == shapes:
-            return name
-    return None
-
-
 def build_model(opts, device: torch.device, info: DistInfo) -> tuple[Any, Any, str, str]:
-    """(model, model args, model name, pretrained label) from the options."""
+    """(model, model args, model name, pretrained label) from the options.
+
+    The config is ``--config``, else the one the published weights name, else the shipped
+    config whose model fits the checkpoint (architecture flags applied), else the small
+    default; architecture flags override its keys. The original's shell scripts pass
+    every architecture flag but ``--input-size`` (its default 224), so with their B/32
+    checkpoint they resolve to exactly RWKV_CLIP_B32.
+    """
     from ..model import check_state_dict, create_RWKV_Model, read_state_dict
 
-    weight = opts.model_weight or opts.pretrained or None
-    state_dict = read_state_dict(weight) if weight else None
+    spec = opts.model_weight or opts.pretrained or None
+    weights = resolve_pretrained(spec) if spec else None
+    state_dict = read_state_dict(weights.path) if weights else None
     overrides = _arch_overrides(opts)
     if opts.config:
-        base, name = _config_dict(opts.config), Path(opts.config).stem
-    elif overrides:
-        base, name = dict(ORIGINAL_ARCH_DEFAULTS), "custom"
+        params, path = read_config_json(opts.config)
+        name = Path(path).stem
+    elif weights is not None and weights.config is not None:
+        name = weights.config
+        params = read_config_json(name)[0]
     elif state_dict is not None:
-        name = infer_config_name(state_dict)
+        name = infer_config(state_dict, overrides)
         if name is None:
-            raise ConfigError(f"checkpoint {weight} matches none of the shipped configs "
-                              f"{available_configs()}: pass --config path/to/config.json")
+            flags = " with the given architecture flags" if overrides else ""
+            raise ConfigError(f"checkpoint {weights.label} matches none of the shipped configs "
+                              f"{available_configs()}{flags}: pass --config path/to/config.json")
         log(info, f"config: {name} (inferred from the checkpoint's parameter shapes)")
-        base = _config_dict(name)
+        params = read_config_json(name)[0]
     else:
-        base, name = _config_dict(DEFAULT_CONFIG), DEFAULT_CONFIG
-    if overrides:
-        if "n_embd" in overrides:  # let dim_att / dim_ffn follow a new width
-            base.setdefault("dim_att", 0)
-            base.setdefault("dim_ffn", 0)
-            for key in ("dim_att", "dim_ffn"):
-                if key not in overrides:
-                    base[key] = 0
-        base.update(overrides)
-    args = model_args_from_dict(base, source=f"model config {name}")
+        name = DEFAULT_CONFIG
+        params = read_config_json(name)[0]
+    args = model_args_from_dict(apply_overrides(params, overrides),
+                                source=f"model config {name}"
+                                       + (" with the architecture flags" if overrides else ""))
     torch.manual_seed(opts.seed)
     model = create_RWKV_Model(args)
     if state_dict is not None:
-        check_state_dict(model, state_dict, str(weight))
+        check_state_dict(model, state_dict, weights.label)
         model.load_state_dict(state_dict, strict=True)
     if opts.wkv_backend and opts.wkv_backend != "auto":
         model.set_wkv_backend(opts.wkv_backend)
     model = model.to(device).eval()
     model_name = opts.model_name or name
-    pretrained = str(weight) if weight else "none (random init, seed %d)" % opts.seed
+    pretrained = weights.label if weights else f"none (random init, seed {opts.seed})"
     return model, args, model_name, pretrained
 
 
@@ -148,10 +131,25 @@ def builtin_folder() -> str:
     return str(ensure_builtin_dataset().zeroshot_dir)
 
 
+def default_output_dir(opts) -> Path:
+    """Beside the evaluated checkpoint's run: ``runs/X/checkpoints/Y.pt`` ->
+    ``runs/X/eval_results``, other weights -> ``<their folder>/eval_results``; a fresh
+    model -> ``runs/zero_shot/eval_results``. Never the current folder itself."""
+    weight = opts.model_weight or opts.pretrained
+    if not weight:
+        return Path("runs") / "zero_shot" / DEFAULT_OUTPUT_DIR
+    folder = Path(weight).resolve().parent
+    if folder.name == "checkpoints":
+        folder = folder.parent
+    return folder / DEFAULT_OUTPUT_DIR
+
+
 def output_paths(opts) -> tuple[Path, Path]:
     """(JSON folder, score text file). An --output-dir ending in .txt is the original's
-    score file; the JSONs then go beside it."""
-    out = Path(opts.output_dir)
+    score file; the JSONs then go beside it. No --output-dir (None, or the parser's
+    default name): :func:`default_output_dir`."""
+    given = opts.output_dir not in (None, DEFAULT_OUTPUT_DIR)
+    out = Path(opts.output_dir) if given else default_output_dir(opts)
     if out.suffix == ".txt":
         json_dir, score = out.parent, out
     else:
@@ -172,21 +170,26 @@ def run(opts) -> list[dict]:
 
 
 def _run(opts, info: DistInfo) -> list[dict]:
-    from ..transform import image_transform
-
     device = info.device
-    get_precision(opts.precision, device)  # validates the name; tf32 switches TF32 on
+    compute = evaluation_precision(opts)
+    get_precision(compute, device)  # validates the name
     plan = dataset_plan(opts)
     json_dir, score_file = output_paths(opts)
     model, args, model_name, pretrained = build_model(opts, device, info)
-    transform = image_transform(args.input_size, is_train=False)
-    log(info, f"model {model_name} ({pretrained}) on {device}, precision {opts.precision}, "
+    size = args.input_size
+    note = ""
+    if compute == "fp32" and getattr(opts, "precision", "fp32") != "fp32":
+        note = (f" (--precision {opts.precision} is the original's flag and, as there, does "
+                "not change evaluation; --amp bf16 opts into autocast)")
+    log(info, f"model {model_name} ({pretrained}) on {device}, computing in "
+              f"{compute if compute == 'fp32' else compute + ' autocast'}{note}, "
               f"{info.world_size} process(es)")
     common = dict(device=device, batch_size=opts.batch_size, workers=opts.workers,
-                  precision=opts.precision, text_batch_size=opts.text_batch_size, info=info)
+                  precision=compute, text_batch_size=opts.text_batch_size, info=info)
     records = []
     for name, task in plan:
         if task == "zeroshot_classification":
+            transform = eval_transform(name, size)
             if name == "builtin":
                 eval_set = build_classification_set("imagefolder", builtin_folder(), transform,
                                                     templates_file=opts.templates)
@@ -196,12 +199,14 @@ def _run(opts, info: DistInfo) -> list[dict]:
                                                     templates_file=opts.templates,
                                                     caltech101_split=opts.caltech101_split)
             log(info, f"{eval_set.name}: {len(eval_set)} images, {eval_set.num_classes} classes, "
-                      f"{len(eval_set.templates)} templates")
+                      f"{len(eval_set.templates)} templates; {protocol(name)}")
             metrics = evaluate_classification(model, eval_set, **common)
         else:
-            rset = build_retrieval_set(name, opts.data_root, opts.retrieval_file, opts.caption_prefix)
-            log(info, f"{rset.name}: {rset.num_images} images, {len(rset.captions)} captions")
-            metrics = evaluate_retrieval(model, rset, transform, **common)
+            rset = build_retrieval_set(name, opts.data_root, opts.retrieval_file,
+                                       opts.caption_prefix)
+            log(info, f"{rset.name}: {rset.num_images} images, {len(rset.captions)} captions; "
+                      f"{protocol(name)}")
+            metrics = evaluate_retrieval(model, rset, eval_transform(name, size), **common)
             name = rset.name
         record = result_record(name, model_name, pretrained, task, metrics)
         records.append(record)
@@ -211,8 +216,8 @@ def _run(opts, info: DistInfo) -> list[dict]:
     if info.is_main and records:
         print("\n" + summary(records), flush=True)
         line = append_score_line(score_file, records)
-        print(f"\nscores ({', '.join(r['dataset'] for r in records)}): {line}\nappended to {score_file}",
-              flush=True)
+        print(f"\nscores ({', '.join(r['dataset'] for r in records)}): {line}\n"
+              f"appended to {score_file}", flush=True)
     return records
 
 
@@ -221,7 +226,8 @@ def options(**kwargs) -> SimpleNamespace:
     base = dict(model_weight=None, pretrained=None, config=None, model_name=None, dataset=None,
                 data_root=None, templates=None, retrieval_file=None, caption_prefix=None,
                 task="zeroshot_classification", batch_size=64, text_batch_size=256, workers=0,
-                precision="fp32", output_dir="eval_results", score_file=None, device=None,
+                precision="fp32", amp=None, output_dir=None, score_file=None,
+                device=None,
                 wkv_backend=None, caltech101_split="original", seed=1024)
     base.update({k: None for k in ARCH_FLAGS})
     base.update(kwargs)

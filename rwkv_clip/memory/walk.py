@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, model_args_from_dict
+from ..config import model_args_from_dict
+from ..errors import ConfigError
 from ..layers.time_mix import TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM
 
 _SIZES = {"fp32": 4, "bf16": 2, "fp16": 2, "i64": 8}

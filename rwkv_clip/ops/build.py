@@ -496,7 +496,9 @@ def cpu_kernel_spec() -> KernelSpec:
     tag, isa = _cpu_isa_flags()
     return KernelSpec(what=f"CPU ({tag})", base_name=cpu_kernel_name(),
                       sources=(source_dir() / "wkv6_cpu.cpp",),
-                      cflags=("-O3", "-fopenmp", *isa), ldflags=("-fopenmp",))
+                      # -fno-trapping-math lets the kernel's exp polynomial vectorise
+                      cflags=("-O3", "-fopenmp", "-fno-trapping-math", *isa),
+                      ldflags=("-fopenmp",))
 
 
 def get_cpu_kernel(verbose: bool = False):

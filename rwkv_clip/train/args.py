@@ -20,6 +20,7 @@ from typing import Any
 
 from ..config import ConfigError, ModelArgs, parse_bool, read_config_json
 from ..errors import EXIT_USER_ERROR, TrainArgsError, report
+from ..precision import PRECISIONS
 
 DEFAULT_CONFIG = "RWKV_CLIP_small"
 
@@ -37,7 +38,6 @@ SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "work
 # Config keys that are not model settings: not recorded in args.model_config.
 NOT_MODEL_KEYS = ("workers", "data_type")
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 DATA_FORMATS = ("rec", "wds", "parquet", "builtin")
 
 
@@ -70,11 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="AdamW beta1 (SGD momentum); the cosine schedule cycles it "
                         "0.95 -> 0.85 -> 0.95 as the original's OneCycleLR does")
     g.add_argument("--beta2", type=float, default=0.98, help="AdamW beta2")
-    g.add_argument("--epochs", type=int, default=7, help="passes over the training data")
+    g.add_argument("--epochs", type=int, default=4, help="passes over the training data")
     g.add_argument("--gradient-acc", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step (global batch = batch-size x K x "
                         "world size); see --accum-mode")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--lr-scheduler", choices=("cosine", "linear"), default="cosine",
                    help="cosine: OneCycleLR (warmup fraction --warmup, cycles beta1), as the "
                         "original; linear: LinearLR from lr to 0, no warmup (as the original)")
@@ -201,8 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-clip-norm", type=float, default=1.0,
                    help="clip the global gradient norm (<= 0: off)")
     g.add_argument("--log-every", type=int, default=5,
-                   help="speed line every N optimizer steps")
-    g.add_argument("--zero-shot-every", type=int, default=0,
+                   help="progress line every N optimizer steps")
+    g.add_argument("--log-format", choices=("plain", "original"), default="plain",
+                   help="plain: 'epoch 3/7 step 255/441 loss 1.81 lr 4.5e-4 102 pairs/s eta "
+                        "3:10'; original: the original's 'rank:.. total:.. lr:[..] step:..' line")
+    g.add_argument("--zero-shot-every", type=int, default=1,
                    help="zero-shot evaluation every N epochs during training (0: only at "
                         "the end)")
     g.add_argument("--zero-shot-data", default=None, metavar="DIR",

@@ -1,19 +1,31 @@
-"""Training logs: the original's speed line, a tqdm bar and TensorBoard scalars.
+"""Training logs: a progress line, a tqdm bar and TensorBoard scalars.
 
-Only rank 0 writes anything. The speed line (every ``--log-every`` optimizer steps) is
-the original's ``SpeedCallBack`` format::
+Only rank 0 writes anything. Every ``--log-every`` optimizer steps a progress line goes
+to the console and ``OUTPUT/training.log``. The default (``--log-format plain``)::
+
+    12:04:31 epoch 3/7 step 255/441 loss 1.81 lr 4.5e-4 102 pairs/s eta 3:10
+
+(loss: mean since the previous line; pairs/s: image-text pairs per second over all
+ranks; eta: minutes:seconds of training left). ``--log-format original`` writes the
+original's ``SpeedCallBack`` line behind its ``Training: <date time>-`` prefix::
 
     rank:<samples/s this rank> total:<samples/s all ranks> lr:[<lr>] step:<step>
     amp:<grad scale> required:<hours left> hours [<mean loss since last line>]
+
+``rwkv_clip.report`` reads both formats back from ``training.log``.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
 
+import torch
+
 LOGGER_NAME = "rwkv_clip.train"
+LOG_FORMATS = ("plain", "original")
 
 
 class _ConsoleHandler(logging.StreamHandler):
@@ -23,28 +35,35 @@ class _ConsoleHandler(logging.StreamHandler):
         try:
             from tqdm import tqdm
             tqdm.write(self.format(record), file=self.stream)
-        except Exception:  # noqa: BLE001 - logging must never raise
+        except Exception:  # logging must never raise
             self.handleError(record)
 
 
-def setup_logging(output: str, rank: int) -> logging.Logger:
-    """Rank 0: 'Training: <time>-<message>' to stdout and OUTPUT/training.log (as the
-    original). Other ranks: warnings and errors only."""
+def setup_logging(output: str, rank: int, fmt: str = "plain") -> logging.Logger:
+    """Rank 0: to stdout and OUTPUT/training.log, each line behind its time ('plain':
+    ``HH:MM:SS`` on the console, the date too in the file) or the original's
+    'Training: <date time>-' prefix ('original'). Other ranks: warnings and errors only."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format {fmt!r}: expected one of {LOG_FORMATS}")
     log = logging.getLogger(LOGGER_NAME)
     log.propagate = False
     for h in list(log.handlers):
         log.removeHandler(h)
         h.close()
-    formatter = logging.Formatter("Training: %(asctime)s-%(message)s")
+    if fmt == "original":
+        file_fmt = console_fmt = logging.Formatter("Training: %(asctime)s-%(message)s")
+    else:
+        file_fmt = logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S")
+        console_fmt = logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
     if rank == 0:
         os.makedirs(output, exist_ok=True)
-        handlers = [logging.FileHandler(os.path.join(output, "training.log")),
-                    _ConsoleHandler(sys.stdout)]
+        handlers = [(logging.FileHandler(os.path.join(output, "training.log")), file_fmt),
+                    (_ConsoleHandler(sys.stdout), console_fmt)]
         log.setLevel(logging.INFO)
     else:
-        handlers = [logging.StreamHandler(sys.stderr)]
+        handlers = [(logging.StreamHandler(sys.stderr), console_fmt)]
         log.setLevel(logging.WARNING)
-    for h in handlers:
+    for h, formatter in handlers:
         h.setFormatter(formatter)
         log.addHandler(h)
     return log
@@ -74,13 +93,40 @@ class AverageMeter:
         return self.sum / self.count if self.count else float("nan")
 
 
-class SpeedLogger:
-    """Speed line every ``every`` optimizer steps; samples/s measured over the interval."""
+def format_lr(lr: float) -> str:
+    """Two significant digits, short exponent: 4.5e-4, 1e-3, 0."""
+    if lr == 0:
+        return "0"
+    mantissa, exponent = f"{lr:.1e}".split("e")
+    if mantissa.endswith(".0"):
+        mantissa = mantissa[:-2]
+    return f"{mantissa}e{int(exponent)}"
 
-    def __init__(self, every: int, total_steps: int, world_size: int, start_step: int = 0):
+
+def format_duration(seconds: float) -> str:
+    """m:ss, or h:mm:ss from an hour on."""
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class SpeedLogger:
+    """Progress line every ``every`` optimizer steps (and at the last step); pairs/s
+    measured over the interval, eta from the run's mean step time so far.
+
+    ``fmt``: 'plain' (default) or 'original' (see the module docstring);
+    ``steps_per_epoch`` lets the plain line name the epoch."""
+
+    def __init__(self, every: int, total_steps: int, world_size: int, start_step: int = 0,
+                 fmt: str = "plain", steps_per_epoch: int | None = None):
+        if fmt not in LOG_FORMATS:
+            raise ValueError(f"log format {fmt!r}: expected one of {LOG_FORMATS}")
         self.every = every
         self.total_steps = total_steps
         self.world_size = world_size
+        self.fmt = fmt
+        self.steps_per_epoch = steps_per_epoch
         self.loss = AverageMeter()
         self.start_step = start_step
         self.time_start = time.time()
@@ -100,15 +146,26 @@ class SpeedLogger:
         self.last_speed = speed
         total = speed * self.world_size
         done = step - self.start_step
-        hours_now = (now - self.time_start) / 3600
-        hours_left = hours_now / max(done, 1) * (self.total_steps - step)
-        line = (f"rank:{int(speed):d} total:{int(total):d} lr:[{lr:.8f}] step:{step:d} "
-                f"amp:{int(amp_scale):d} required:{hours_left:.1f} hours "
-                f"[{self.loss.avg:.3f}]")
+        seconds_left = (now - self.time_start) / max(done, 1) * (self.total_steps - step)
+        if self.fmt == "original":
+            line = (f"rank:{int(speed):d} total:{int(total):d} lr:[{lr:.8f}] step:{step:d} "
+                    f"amp:{int(amp_scale):d} required:{seconds_left / 3600:.1f} hours "
+                    f"[{self.loss.avg:.3f}]")
+        else:
+            line = self.plain_line(step, self.loss.avg, lr, total, seconds_left)
         self.loss.reset()
         self.samples = 0
         self.tic = now
         return line
+
+    def plain_line(self, step: int, loss: float, lr: float, pairs_per_second: float,
+                   seconds_left: float) -> str:
+        epoch = ""
+        if self.steps_per_epoch:
+            epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+            epoch = f"epoch {min(epochs, (step - 1) // self.steps_per_epoch + 1)}/{epochs} "
+        return (f"{epoch}step {step}/{self.total_steps} loss {loss:.2f} lr {format_lr(lr)} "
+                f"{pairs_per_second:.0f} pairs/s eta {format_duration(seconds_left)}")
 
 
 class Board:
@@ -142,3 +199,23 @@ def progress_bar(total: int, initial: int, enabled: bool):
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                 desc="train", file=sys.stderr, leave=False, disable=None)
+
+
+def prepare_wkv_kernel(device: torch.device, log: logging.Logger) -> None:
+    """Build (or load) the CPU WKV kernel before the first step, saying so when it is not
+    in the kernel cache yet: the first use compiles it, which takes about 40 s without a
+    word otherwise. Other devices and the pure-PyTorch backend need nothing here."""
+    if torch.device(device).type != "cpu":
+        return
+    if os.environ.get("RWKV_CLIP_WKV_BACKEND", "").strip().lower() == "reference":
+        return
+    from ..ops import build
+
+    name = build.cpu_kernel_name()
+    if (build.cache_root() / name / f"{name}.so").is_file():
+        return
+    log.info(f"preparing the WKV CPU kernel (first use compiles it, ~40 s; cached in "
+             f"{build.cache_root()})")
+    t0 = time.time()
+    build.get_cpu_kernel()
+    log.info(f"WKV CPU kernel ready ({time.time() - t0:.0f} s)")

@@ -46,7 +46,8 @@ from .accumulation import (
     unscale_and_clip,
 )
 from .args import warn_ignored
-from .logger import Board, SpeedLogger, close_logging, progress_bar, setup_logging
+from .logger import (Board, SpeedLogger, close_logging, prepare_wkv_kernel, progress_bar,
+                     setup_logging)
 from .schedule import lr_at, set_lr
 
 
@@ -117,7 +118,7 @@ def main(args) -> dict[str, Any]:
     info = init_distributed(args.device)
     if info.is_master:  # before any work: a run that cannot save is not started
         ckpt_io.check_writable(args.output)
-    log = setup_logging(args.output, info.rank)
+    log = setup_logging(args.output, info.rank, args.log_format)
     finished = False
     stop = StopSignals()
     stop.install()  # a signal from here on: finish the step, save, exit 130 / 143
@@ -151,6 +152,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
     log.info(f"rank {info.rank}/{info.world_size} on {info.device} "
              f"(backend {info.backend or 'none'}); model settings from {source}")
     warn_ignored(args, log.info)
+    prepare_wkv_kernel(info.device, log)  # says so before a first-use compile
     model = build_model(args, info, log)
     data = prepare_data(args, info, log)
     loss_fn = ClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
@@ -173,7 +175,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
             bucket_cap_mb=32, find_unused_parameters=False)
     save = functools.partial(save_checkpoint, model=model, optimizer=optimizer, scaler=scaler,
                              args=args, info=info, log=log, total_steps=data.total_steps)
-    logs = Logs(args, info, log, state.step, data.total_steps)
+    logs = Logs(args, info, log, state.step, data.total_steps, data.steps_per_epoch)
     k = args.gradient_acc
     epoch_batches = data.steps_per_epoch * k  # leftover batches (< K) make no step
     if state.epoch > 0:  # a resumed run: the loader starts at the checkpoint's epoch
@@ -280,7 +282,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
     elif args.final_zero_shot:
         final = zero_shot(model, data, args, info, log, logs, state.step, "final")
     logs.close()
-    return summarise(state, model, final, logs.elapsed(), info, log)
+    return summarise(state, model, final, logs.elapsed(), info, log, args, data.zero_shot_dir)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -437,10 +439,12 @@ def _gather_rng(info: DistInfo) -> list:
 class Logs:
     """Speed line (every rank counts, rank 0 prints), TensorBoard and tqdm bar (rank 0)."""
 
-    def __init__(self, args, info: DistInfo, log, step: int, total_steps: int) -> None:
+    def __init__(self, args, info: DistInfo, log, step: int, total_steps: int,
+                 steps_per_epoch: int) -> None:
         self.info, self.log = info, log
         self.board = Board(args.output, args.tensorboard and info.is_master)
-        self.speed = SpeedLogger(args.log_every, total_steps, info.world_size, start_step=step)
+        self.speed = SpeedLogger(args.log_every, total_steps, info.world_size, start_step=step,
+                                 fmt=args.log_format, steps_per_epoch=steps_per_epoch)
         self.bar = progress_bar(total_steps, step, args.progress and info.is_master)
         self.t_start = time.time()
 
@@ -505,14 +509,16 @@ def describe_zero_shot(metrics: dict) -> str:
 
 
 def summarise(state: RunState, model: torch.nn.Module, final: dict | None, elapsed: float,
-              info: DistInfo, log) -> dict[str, Any]:
-    """The closing log lines and the summary dict."""
+              info: DistInfo, log, args, zero_shot_dir: str | None) -> dict[str, Any]:
+    """The closing log lines, the run's report picture and the summary dict."""
     loss = state.last_loss
     if info.is_master:
         log.info(f"done: {state.step} steps in {elapsed / 60:.1f} min, last loss "
                  f"{loss if loss is None else round(loss, 4)}, checkpoint {state.last_saved}")
         if final is not None:
             log.info(f"final zero-shot accuracy: {describe_zero_shot(final)}")
+        from ..report import write_report
+        log.info(f"report: {write_report(args.output, model=model, zero_shot_dir=zero_shot_dir)}")
     return {"steps": state.step, "epochs": state.epoch, "train_seconds": elapsed,
             "last_loss": loss, "checkpoint": state.last_saved, "zero_shot": final,
             "zero_shot_history": state.zero_shot_history, "model": model}

@@ -1,0 +1,327 @@
+"""Weights by name, open_clip's way: the published RWKV-CLIP checkpoints, where they live on
+the Hugging Face Hub, and one resolver from what a user types to a local file.
+
+``pretrained`` (in :func:`create_model_and_transforms` and every ``--pretrained`` flag) is
+
+* a tag of the model (``create_model_and_transforms("RWKV-CLIP-B32", "yfcc15m")``) or,
+  on the command line, ``NAME:TAG`` (``RWKV-CLIP-B32:yfcc15m``);
+* a local file: ``.pt``/``.pth``/``.bin`` (``torch.save`` file, loaded with
+  ``weights_only=True``) or ``.safetensors``;
+* ``hf-hub:OWNER/REPO[/FILE]`` - any Hub repository (FILE defaults to the registry's
+  file for a known repository, else ``model_31.pt``).
+
+A tag or hf-hub name may end in ``@REVISION`` (branch, tag or commit) to pin a version;
+the registry's revision is used otherwise (``main``: the Hub repositories publish no
+release tags). Downloads go through ``huggingface_hub`` into its shared cache, so
+``HF_HOME``, ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` mean what they mean for every Hub
+user; nothing is downloaded unless a name is asked for, and with ``HF_HUB_OFFLINE=1`` a
+file that is not cached is one error naming the repository, the file and the command
+that fetches it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError, ConfigError
+
+HF_HUB_PREFIX = "hf-hub:"
+DEFAULT_HUB_FILE = "model_31.pt"  # what the original's trainer writes after its 32 epochs
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+
+# Model names (open_clip style) -> the shipped config that builds them.
+MODEL_CONFIGS = {"RWKV-CLIP-B32": "RWKV_CLIP_B32", "RWKV-CLIP-B16": "RWKV_CLIP_B16"}
+
+
+@dataclass(frozen=True)
+class PretrainedCfg:
+    """One published checkpoint: ``torch.save(ddp_model.state_dict())`` (``module.`` keys)."""
+
+    model_name: str
+    tag: str
+    hf_repo: str
+    filename: str = DEFAULT_HUB_FILE
+    revision: str | None = None  # None: the repository's default branch
+
+    @property
+    def config(self) -> str:
+        return MODEL_CONFIGS[self.model_name]
+
+
+PRETRAINED = (
+    PretrainedCfg("RWKV-CLIP-B32", "yfcc15m", "Kaichengalex/RWKV-CLIP-B32-YFCC15M"),
+    PretrainedCfg("RWKV-CLIP-B32", "laion10m", "Kaichengalex/RWKV-CLIP-B32-LAION10M"),
+    PretrainedCfg("RWKV-CLIP-B32", "laion30m", "Kaichengalex/RWKV-CLIP-B32-LAION30M"),
+    PretrainedCfg("RWKV-CLIP-B16", "laion10m", "Kaichengalex/RWKV-CLIP-B16-LAION10M"),
+)
+
+
+def list_pretrained() -> list[tuple[str, str]]:
+    """``[(model_name, tag), ...]`` of the published checkpoints."""
+    return [(p.model_name, p.tag) for p in PRETRAINED]
+
+
+def list_models() -> list[str]:
+    """Model names :func:`create_model_and_transforms` accepts besides config paths."""
+    from .config import available_configs
+
+    return list(MODEL_CONFIGS) + available_configs()
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def model_config(model_name: str | os.PathLike) -> str:
+    """The config (shipped name or JSON path) of ``model_name``: a model name
+    (``RWKV-CLIP-B32``), a shipped config name (``RWKV_CLIP_B32``) or a config path."""
+    from .config import available_configs, resolve_config_path
+
+    text = str(model_name)
+    for name, config in MODEL_CONFIGS.items():
+        if _norm(text) == _norm(name):
+            return config
+    for config in available_configs():
+        if _norm(text) == _norm(config):
+            return config
+    try:
+        return str(resolve_config_path(text))
+    except ConfigError:
+        raise ConfigError(f"unknown model {text!r}: expected one of {list_models()} or a "
+                          "model-config JSON path") from None
+
+
+def get_pretrained_cfg(model_name: str, tag: str) -> PretrainedCfg:
+    """The registry entry of ``model_name`` (model or config name) and ``tag``."""
+    config = model_config(model_name)
+    for p in PRETRAINED:
+        if p.config == config and _norm(p.tag) == _norm(tag):
+            return p
+    tags = [p.tag for p in PRETRAINED if p.config == config]
+    known = f"its tags: {', '.join(tags)}" if tags else "it has no published weights"
+    raise CheckpointError(f"no pretrained weights {tag!r} for model {model_name!r} ({known}; "
+                          f"all: {', '.join(f'{m}:{t}' for m, t in list_pretrained())})")
+
+
+@dataclass(frozen=True)
+class ResolvedWeights:
+    """A weights file on disk, the config it was published for (None: unknown) and a
+    label for result files (the name the user gave)."""
+
+    path: Path
+    config: str | None
+    label: str
+
+
+def _split_revision(text: str) -> tuple[str, str | None]:
+    if "@" in text:
+        head, rev = text.rsplit("@", 1)
+        if rev:
+            return head, rev
+    return text, None
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.lower().endswith(WEIGHT_SUFFIXES) or os.sep in text or "/" in text
+
+
+def resolve_pretrained(pretrained: str | os.PathLike, model_name: str | None = None, *,
+                       revision: str | None = None,
+                       cache_dir: str | os.PathLike | None = None) -> ResolvedWeights:
+    """What a user typed -> a local weights file (downloaded into the Hub cache if it is a
+    name and not cached yet). See the module docstring for the accepted forms."""
+    text = str(pretrained).strip()
+    if text.startswith(HF_HUB_PREFIX):
+        spec, rev = _split_revision(text[len(HF_HUB_PREFIX):])
+        parts = spec.strip("/").split("/")
+        if len(parts) < 2 or not all(parts):
+            raise CheckpointError(f"pretrained {text!r}: expected hf-hub:OWNER/REPO[/FILE]"
+                                  "[@REVISION]")
+        repo, filename = "/".join(parts[:2]), "/".join(parts[2:]) or None
+        known = next((p for p in PRETRAINED if p.hf_repo.lower() == repo.lower()), None)
+        filename = filename or (known.filename if known else DEFAULT_HUB_FILE)
+        rev = revision or rev or (known.revision if known else None)
+        path = download_from_hub(repo, filename, revision=rev, cache_dir=cache_dir)
+        return ResolvedWeights(path, known.config if known else None, text)
+    if Path(text).is_file():
+        return ResolvedWeights(Path(text), None, text)
+    spec, rev = _split_revision(text)
+    if ":" in spec and not _looks_like_path(spec):
+        name, tag = spec.split(":", 1)
+    elif model_name is not None and not _looks_like_path(spec):
+        name, tag = model_name, spec
+    elif _looks_like_path(text):
+        raise CheckpointError(f"checkpoint {text} does not exist")
+    else:
+        raise CheckpointError(
+            f"pretrained {text!r}: expected a weights file (.pt or .safetensors), NAME:TAG "
+            f"({', '.join(f'{m}:{t}' for m, t in list_pretrained())}) or "
+            "hf-hub:OWNER/REPO[/FILE]")
+    cfg = get_pretrained_cfg(name, tag)
+    path = download_from_hub(cfg.hf_repo, cfg.filename, revision=revision or rev or cfg.revision,
+                             cache_dir=cache_dir)
+    return ResolvedWeights(path, cfg.config, f"{cfg.model_name}:{cfg.tag}")
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_cache_dir() -> str:
+    """The Hub cache as ``huggingface_hub`` finds it, read now (not at its import time):
+    ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else its default."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def download_from_hub(repo: str, filename: str, revision: str | None = None,
+                      cache_dir: str | os.PathLike | None = None) -> Path:
+    """``filename`` of the Hub repository ``repo`` in the local cache (fetched if missing,
+    unless ``HF_HUB_OFFLINE`` is set)."""
+    try:
+        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+    except ImportError:
+        raise CheckpointError("weights by name need huggingface_hub: pip install "
+                              "huggingface_hub (or pass a local .pt/.safetensors file)") from None
+    cache = str(cache_dir) if cache_dir is not None else hub_cache_dir()
+    offline = bool(constants.HF_HUB_OFFLINE) or _env_true("HF_HUB_OFFLINE")
+    fetch = f"hf download {repo} {filename}" + (f" --revision {revision}" if revision else "")
+    where = f"{repo}/{filename}" + (f"@{revision}" if revision else "")
+    try:
+        return Path(hf_hub_download(repo, filename, revision=revision, cache_dir=cache,
+                                    local_files_only=offline))
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
+        raise CheckpointError(f"file {filename} of Hub repository {repo}"
+                              f"{f' (revision {revision})' if revision else ''} is not in the "
+                              f"cache {cache} and {why}; fetch it with: {fetch} (or pass a "
+                              "local .pt/.safetensors file)") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as exc:
+        raise CheckpointError(f"cannot download {where}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0]}") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise CheckpointError(f"cannot download {where}: {type(exc).__name__}: {exc}; fetch "
+                              f"it with: {fetch}") from None
+
+
+def infer_config(state_dict: Mapping[str, torch.Tensor],
+                 overrides: Mapping[str, Any] | None = None) -> str | None:
+    """The shipped config whose model (with ``overrides`` applied to its keys) has exactly
+    the parameter names and shapes of ``state_dict``; None if none has. When several fit
+    (B/16 with ``image_patch_size=32`` is B/32), the one the overrides change least wins."""
+    from .config import available_configs, model_args_from_dict, read_config_json
+    from .model import create_RWKV_Model
+
+    overrides = dict(overrides or {})
+    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+    matches = []
+    for name in available_configs():
+        params = read_config_json(name)[0]
+        try:
+            args = model_args_from_dict(apply_overrides(params, overrides),
+                                        source=f"model config {name}")
+            with torch.device("meta"):
+                model = create_RWKV_Model(args)
+        except ConfigError:  # the overrides do not fit this config: it does not match
+            continue
+        if {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes:
+            changed = sum(params.get(k) != v for k, v in overrides.items())
+            matches.append((changed, name))
+    return min(matches)[1] if matches else None
+
+
+def apply_overrides(params: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Config keys with ``overrides`` on top; a new ``n_embd`` re-derives ``dim_att`` and
+    ``dim_ffn`` unless those are overridden too (as train.py's tower flags)."""
+    out = dict(params)
+    out.update(overrides)
+    if "n_embd" in overrides:
+        for key in ("dim_att", "dim_ffn"):
+            if key not in overrides:
+                out[key] = 0
+    return out
+
+
+def create_model(model_name: str, pretrained: str | os.PathLike | None = None,
+                 device: str | torch.device | None = None, *, wkv_backend: str | None = None,
+                 revision: str | None = None, cache_dir: str | os.PathLike | None = None,
+                 seed: int | None = None) -> torch.nn.Module:
+    """RWKV-CLIP ``model_name`` (model name, config name or config path), with the
+    ``pretrained`` weights if given (tag, file or hf-hub name), on ``device``."""
+    from .config import load_model_configs
+    from .model import check_state_dict, create_RWKV_Model, read_state_dict
+
+    args = load_model_configs(model_config(model_name))
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = create_RWKV_Model(args)
+    if pretrained is not None:
+        weights = resolve_pretrained(pretrained, model_name, revision=revision,
+                                     cache_dir=cache_dir)
+        state_dict = read_state_dict(weights.path)
+        check_state_dict(model, state_dict, weights.label)
+        model.load_state_dict(state_dict, strict=True)
+    if wkv_backend is not None:
+        model.set_wkv_backend(wkv_backend)
+    if device is not None:
+        model = model.to(device)
+    return model
+
+
+def create_model_and_transforms(model_name: str, pretrained: str | os.PathLike | None = None,
+                                device: str | torch.device | None = None, *,
+                                wkv_backend: str | None = None, revision: str | None = None,
+                                cache_dir: str | os.PathLike | None = None,
+                                seed: int | None = None) -> tuple[torch.nn.Module, Any, Any]:
+    """``(model, preprocess_train, preprocess_val)`` as open_clip's function of that name.
+
+    ``preprocess_val`` is open_clip's eval transform (what the original used for every set
+    but ImageNet); ``rwkv_clip.eval.eval_transform("imagenet", size)`` gives the ImageNet
+    protocol. The model is returned in train mode, as open_clip's: call ``.eval()``.
+    """
+    from .transform import image_transform
+
+    model = create_model(model_name, pretrained, device, wkv_backend=wkv_backend,
+                         revision=revision, cache_dir=cache_dir, seed=seed)
+    size = load_config_input_size(model_name)
+    return model, image_transform(size, is_train=True), image_transform(size, is_train=False)
+
+
+def load_config_input_size(model_name: str) -> int:
+    """The image size (``input_size``) of ``model_name``'s config."""
+    from .config import read_config_json
+
+    return int(read_config_json(model_config(model_name))[0]["input_size"])
+
+
+def get_tokenizer(model_name: str) -> Callable[[str | list[str]], torch.Tensor]:
+    """``texts -> (N, ctx_len)`` token ids for ``model_name`` (CLIP's BPE, zero padded)."""
+    from .config import read_config_json
+    from .tokenizer import tokenize
+
+    ctx_len = int(read_config_json(model_config(model_name))[0].get("ctx_len", 77))
+    return functools.partial(tokenize, context_length=ctx_len)
+
+
+__all__ = ["PRETRAINED", "PretrainedCfg", "ResolvedWeights", "list_pretrained", "list_models",
+           "model_config", "get_pretrained_cfg", "resolve_pretrained", "download_from_hub",
+           "hub_cache_dir", "infer_config", "apply_overrides", "create_model",
+           "create_model_and_transforms", "get_tokenizer"]

@@ -1,0 +1,560 @@
+#!/usr/bin/env python3
+"""The one-shot GPU check's step runner (called by scripts/gpu_check.sh); ONE JSON out.
+
+A lent GPU machine is bare and offline (Python 3.12, torch 2.11, a small preinstalled
+set, nvcc) and lent for 15 minutes in all, so this must work the first time: it uses
+only the standard library itself, installs the travelling wheels (``.whl/``, see
+scripts/device_wheels.sh) into a target folder with pip --no-index, and runs every
+measurement as a subprocess of the same interpreter with ``PYTHONPATH=SITE:REPO``. Each
+step has its own timeout, all of them share one budget (under 8 minutes), and a step
+that fails, times out or cannot run is recorded with its reason; none stops the others.
+
+``--rehearse`` (what ``gpu_check.sh --rehearse`` runs here, in a device-like venv)
+runs every step the same way; a step that needs CUDA is recorded as skipped ("no CUDA
+device") after running its dry form, the same code on the CPU at small sizes (the
+anchor's adapter through fla's own PyTorch recurrence, the training steps on the tiny
+config, torchrun over gloo), so argument errors and missing imports show up here.
+
+Internal subcommands (run by the steps): ``imports``, ``build``, ``torchrun-step``,
+``dali-gpu``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+B32 = str(REPO / "model_config" / "RWKV_CLIP_B32.json")
+TINY = str(REPO / "model_config" / "RWKV_CLIP_tiny.json")
+GiB = 1024 ** 3
+# the seed's memory claims (README of the original), checked against the measurements
+CLAIMS = {
+    "inference_bf16_b1": "< 4 GB",
+    "inference_fp32_b1": "5-6 GB",
+    "train_b256_bf16": "~18 GB per GPU",
+    "train_b256_bf16_ckpt": "~18 GB per GPU",
+}
+# distribution -> import name of every wheel that travels (scripts/device_wheels.txt plus
+# torchvision, which device_wheels.sh adds for the target torch)
+WHEEL_DISTS = {"open_clip_torch": "open_clip", "timm": "timm", "ftfy": "ftfy",
+               "wcwidth": "wcwidth", "webdataset": "webdataset", "braceexpand": "braceexpand",
+               "fla-core": "fla", "einops": "einops", "ninja": "ninja", "pyyaml": "yaml",
+               "torchvision": "torchvision"}
+WHEEL_MODULES = tuple(WHEEL_DISTS.values())
+# what the lent device has preinstalled (distribution -> import name); huggingface_hub
+# brings its own requirements (packaging, filelock, fsspec, typing_extensions, ...)
+DEVICE_PREINSTALLED = {"torch": "torch", "triton": "triton", "numpy": "numpy",
+                       "pillow": "PIL", "tqdm": "tqdm", "regex": "regex", "scipy": "scipy",
+                       "tensorboard": "tensorboard", "huggingface_hub": "huggingface_hub",
+                       "safetensors": "safetensors", "pytest": "pytest", "pyarrow": "pyarrow",
+                       "packaging": "packaging", "filelock": "filelock", "fsspec": "fsspec",
+                       "typing_extensions": "typing_extensions"}
+
+
+# ----------------------------------------------------------------------------- steps
+@dataclass
+class Step:
+    """One measurement: ``cmd`` runs under the check's interpreter; a CUDA step without a
+    CUDA device runs ``dry`` instead (if given) and is recorded as skipped."""
+    name: str
+    cmd: list[str]
+    timeout: int
+    cuda: bool = False
+    dry: list[str] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    why: str = ""
+
+
+def last_json(text: str):
+    """The last JSON object printed: the whole output, else the last line-start '{'."""
+    text = text.strip()
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("{"):
+            try:
+                return json.loads("\n".join(lines[i:]))
+            except ValueError:
+                try:
+                    return json.loads(lines[i])
+                except ValueError:
+                    continue
+    return None
+
+
+class Runner:
+    def __init__(self, budget_s: float, env: dict[str, str], rehearse: bool, cuda: bool,
+                 timeout_scale: float = 1.0):
+        self.start = time.monotonic()
+        self.budget = budget_s
+        self.scale = timeout_scale
+        self.env = env
+        self.rehearse = rehearse
+        self.cuda = cuda
+        self.steps: dict[str, dict] = {}
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.start)
+
+    def _exec(self, cmd: list[str], limit: float, extra_env: dict[str, str]) -> dict:
+        env = dict(self.env, **extra_env)
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, errors="replace",
+                                start_new_session=True)
+        timed_out = False
+        try:
+            out, err = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGTERM)  # the step's own process group
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+        return {"command": " ".join(cmd), "rc": proc.returncode, "timed_out": timed_out,
+                "seconds": round(time.monotonic() - t0, 2), "limit_s": round(limit),
+                "result": last_json(out), "stdout_tail": out[-3000:],
+                "stderr_tail": err[-3000:]}
+
+    def run(self, step: Step) -> dict:
+        rec: dict = {"why": step.why} if step.why else {}
+        limit = min(step.timeout * self.scale, self.left() - 10)
+        if limit < 5:
+            rec.update(status="skipped", reason=f"no time left in the {self.budget:.0f}s budget")
+        elif step.cuda and not self.cuda:
+            rec.update(status="skipped", reason="no CUDA device", command=" ".join(step.cmd))
+            if step.dry:
+                dry = self._exec(step.dry, limit, step.env)
+                rec["dry_run"] = dry
+                if dry["rc"] != 0:
+                    rec["status"] = "failed"
+                    rec["reason"] = (f"no CUDA device, and its CPU dry run failed "
+                                     f"(rc {dry['rc']}{', timed out' if dry['timed_out'] else ''})")
+        else:
+            res = self._exec(step.cmd, limit, step.env)
+            rec.update(res)
+            rec["status"] = ("ok" if res["rc"] == 0 else
+                             "timed_out" if res["timed_out"] else "failed")
+        self.steps[step.name] = rec
+        print(f"== {step.name}: {rec['status']}"
+              + (f" ({rec['reason']})" if "reason" in rec else "")
+              + (f" in {rec['seconds']}s" if "seconds" in rec else ""), file=sys.stderr)
+        return rec
+
+    def note(self, name: str, status: str, reason: str) -> None:
+        self.steps[name] = {"status": status, "reason": reason}
+        print(f"== {name}: {status} ({reason})", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- wheels
+def wheel_tags(python: str) -> set[str]:
+    """Tags (interpreter-abi-platform) the interpreter accepts, from its own pip."""
+    code = ("from pip._vendor.packaging import tags\n"
+            "print('\\n'.join(str(t) for t in tags.sys_tags()))")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def wheel_name_tags(path: Path) -> tuple[str, set[str]]:
+    """(distribution, tags) from a wheel file name (PEP 427, compressed tag sets)."""
+    parts = path.name[:-len(".whl")].split("-")
+    dist, (py, abi, plat) = parts[0], parts[-3:]
+    tags = {f"{a}-{b}-{c}" for a in py.split(".") for b in abi.split(".") for c in plat.split(".")}
+    return dist.lower().replace("_", "-"), tags
+
+
+def has_module(python: str, module: str, env: dict[str, str]) -> bool:
+    return subprocess.run([python, "-c", f"import {module}"], env=env,
+                          capture_output=True).returncode == 0
+
+
+def install_wheels(python: str, site: Path, wheel_dirs: list[Path], base_env: dict[str, str]
+                   ) -> dict:
+    """pip install --no-index --no-deps --target SITE the wheels this interpreter accepts.
+
+    A binary wheel built for another interpreter is left out (named in the report); a
+    distribution the interpreter already has without SITE is not shadowed when it is
+    binary (torchvision must match the local torch build)."""
+    accepted = wheel_tags(python)
+    chosen, left_out = [], {}
+    seen = set()
+    for folder in wheel_dirs:
+        for whl in sorted(folder.glob("*.whl")):
+            dist, tags = wheel_name_tags(whl)
+            if not tags & accepted:
+                left_out[whl.name] = "built for another interpreter or platform"
+                continue
+            binary = not all(t.endswith("-none-any") for t in tags)
+            if binary and dist == "torchvision" and has_module(python, "torchvision", base_env):
+                left_out[whl.name] = "the interpreter already has torchvision"
+                continue
+            if dist in seen:
+                left_out[whl.name] = f"another {dist} wheel was chosen first"
+                continue
+            seen.add(dist)
+            chosen.append(whl)
+    if site.exists():
+        shutil.rmtree(site)
+    site.mkdir(parents=True)
+    cmd = [python, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
+           "--quiet", "--target", str(site)] + [str(w) for w in chosen]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=base_env)
+    return {"status": "ok" if proc.returncode == 0 and chosen else "failed",
+            "site": str(site), "installed": [w.name for w in chosen], "left_out": left_out,
+            "rc": proc.returncode, "stderr_tail": proc.stderr[-3000:],
+            **({} if chosen else {"reason": f"no wheels found in {[str(d) for d in wheel_dirs]}"})}
+
+
+# ----------------------------------------------------------------------------- subcommands
+def cmd_imports(site: str) -> int:
+    """Import what the project needs; print where each module comes from (JSON)."""
+    import importlib
+    out: dict = {"modules": {}, "missing": []}
+    for name in WHEEL_MODULES + ("torch", "triton", "numpy", "PIL", "scipy", "regex",
+                                 "huggingface_hub", "safetensors", "tensorboard", "pytest"):
+        try:
+            mod = importlib.import_module(name)
+        except Exception as e:  # reported, the check goes on
+            out["missing"].append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        path = getattr(mod, "__file__", "") or ""
+        out["modules"][name] = {"version": getattr(mod, "__version__", None),
+                                "from_wheels": bool(site) and path.startswith(site)}
+    try:  # the project itself, through the paths the steps use
+        from fla.ops.rwkv6 import chunk_rwkv6, fused_recurrent_rwkv6  # noqa: F401
+
+        import rwkv_clip
+        from rwkv_clip.data import wds  # noqa: F401
+        from rwkv_clip.tokenizer import tokenize
+        tokens = tokenize(["a photo of a cat"])
+        out["rwkv_clip"] = {"file": rwkv_clip.__file__, "tokens_shape": list(tokens.shape)}
+    except Exception as e:
+        out["missing"].append(f"rwkv_clip stack: {type(e).__name__}: {e}")
+    print(json.dumps(out))
+    return 1 if out["missing"] else 0
+
+
+def cmd_build(jobs: list[str]) -> int:
+    """Build kernels in parallel processes (one nvcc each); JSON with each one's time."""
+    from rwkv_clip.ops import build
+    procs, out = {}, {}
+    for job in jobs:
+        if job != "cpu" and build.find_cuda_home() is None:
+            out[job] = {"skipped": "no CUDA toolkit (nvcc) found"}
+            continue
+        if job == "cpu":
+            code = "from rwkv_clip.ops import build; build.get_cpu_kernel()"
+        else:
+            variant, N, T = job.split(":")
+            code = f"from rwkv_clip.ops import build; build.get_cuda_kernel({N}, {T}, {variant!r})"
+        procs[job] = (time.monotonic(), subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True))
+    failed = 0
+    for job, (t0, p) in procs.items():
+        text, _ = p.communicate()
+        out[job] = {"rc": p.returncode, "seconds": round(time.monotonic() - t0, 1),
+                    **({"output_tail": text[-1500:]} if p.returncode else {})}
+        failed += p.returncode != 0
+    print(json.dumps({"kernels": out, "cache": str(build.cache_root()),
+                      "cuda_home": str(build.find_cuda_home())}))
+    return 1 if failed else 0
+
+
+def cmd_torchrun_step(device: str, precision: str) -> int:
+    """One-process torchrun of train.py for 2 steps on a tiny RecordIO file (NCCL on CUDA,
+    gloo on CPU); prints the run's result as JSON."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from train_util import TINY_CONFIG, make_tiny_rec
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = make_tiny_rec(tmp, n=32)
+        out_dir = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "1", str(REPO / "train.py"), "--config", TINY_CONFIG,
+               "--train-data", rec, "--output", str(out_dir), "--device", device,
+               "--loader", "torch", "--workers", "0", "--batch-size", "8", "--epochs", "1",
+               "--max-steps", "2", "--precision", precision, "--progress", "False",
+               "--final-zero-shot", "False", "--tensorboard", "False", "--log-every", "1"]
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        log = out_dir / "training.log"
+        text = log.read_text() if log.exists() else ""
+        ckpts = sorted(p.name for p in (out_dir / "checkpoints").glob("*.pt")) \
+            if (out_dir / "checkpoints").exists() else []
+        backend = "nccl" if device == "cuda" else "gloo"
+        print(json.dumps({"rc": proc.returncode, "seconds": round(time.monotonic() - t0, 1),
+                          "backend_expected": backend,
+                          "backend_in_log": backend in text.lower() or None,
+                          "checkpoints": ckpts, "log_tail": text[-1500:],
+                          "stderr_tail": proc.stderr[-1500:]}))
+    return proc.returncode
+
+
+def cmd_dali_gpu() -> int:
+    """The DALI GPU pipeline over a tiny RecordIO file: one epoch, batch shapes."""
+    import importlib.util
+    from types import SimpleNamespace
+    sys.path.insert(0, str(REPO / "tests"))
+    from train_util import make_tiny_rec
+    spec = importlib.util.spec_from_file_location("dali_top", REPO / "dali.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = make_tiny_rec(tmp, n=32)
+        t0 = time.monotonic()
+        loader = mod.dali_dataloader(SimpleNamespace(train_data=rec, batch_size=8, workers=2,
+                                                     input_size=24, dali_cpu=False))
+        shapes = []
+        for images, tokens in loader:
+            shapes.append([list(images.shape), list(tokens.shape), str(images.device)])
+        print(json.dumps({"batches": len(shapes), "first": shapes[:1],
+                          "seconds": round(time.monotonic() - t0, 2)}))
+    return 0 if shapes else 1
+
+
+# ----------------------------------------------------------------------------- plan
+def wkv_step(name: str, dtype: str, backends: str, timeout: int, dry_backends: str,
+             why: str) -> Step:
+    bench = [sys.executable, str(SCRIPTS / "bench_wkv.py")]
+    return Step(name, bench + ["--device", "cuda", "--dtype", dtype, "--backends", backends,
+                               "--check-batch", "8", "--warmup", "2", "--repeats", "10"],
+                timeout, cuda=True, why=why,
+                dry=bench + ["--device", "cpu", "--dtype", dtype, "--backends", dry_backends,
+                             "--shapes", "2,49,8,80;1,77,10,64", "--check-batch", "1",
+                             "--warmup", "0", "--repeats", "1", "--threads", "1"])
+
+
+def train_step(name: str, variant: str, checkpointing: bool, compiled: bool, timeout: int
+               ) -> Step:
+    bench = [sys.executable, str(SCRIPTS / "bench_train.py")]
+    flags = (["--checkpointing"] if checkpointing else []) + (["--compile"] if compiled else [])
+    wkv_steps = "0" if compiled else "1"
+    return Step(name, bench + ["--device", "cuda", "--config", B32, "--batch-size", "256",
+                               "--precision", "bf16", "--warmup", "3", "--steps", "5",
+                               "--wkv-steps", wkv_steps] + flags,
+                timeout, cuda=True, env={"RWKV_CLIP_WKV_CUDA_VARIANT": variant},
+                why=f"B/32 batch 256 bf16 training step, {variant} kernel, "
+                    f"{'compiled' if compiled else 'eager'}, checkpointing "
+                    f"{'on' if checkpointing else 'off'}",
+                dry=bench + ["--device", "cpu", "--config", TINY, "--batch-size", "4",
+                             "--precision", "bf16", "--warmup", "1", "--steps", "1",
+                             "--wkv-steps", wkv_steps, "--threads", "1"] + flags
+                + (["--compile-backend", "aot_eager"] if compiled else []))  # trace, no codegen
+
+
+def memory_step(name: str, precision: str, timeout: int) -> Step:
+    mem = [sys.executable, "-m", "rwkv_clip.memory", "--config", B32, "--batch-size", "1",
+           "--precision", precision, "--mode", "inference", "--measure", "--json"]
+    return Step(name, mem + ["--device", "cuda"], timeout, cuda=True,
+                why=f"inference memory, B/32 batch 1 {precision} (claim {CLAIMS[name[7:]]})",
+                dry=mem + ["--device", "cpu"])
+
+
+def fastest_cuda_variant(runner: Runner) -> tuple[str, str]:
+    """The faster CUDA variant by summed bf16 fwd+bwd time over the shapes, among those
+    that passed the float64 check; faithful when nothing was measured."""
+    res = runner.steps.get("wkv_bf16", {}).get("result") or {}
+    totals: dict[str, float] = {}
+    for shape in res.get("shapes", []):
+        for name, rec in shape["backends"].items():
+            if name.startswith("cuda-") and "fwd_bwd_ms" in rec:
+                totals[name[5:]] = totals.get(name[5:], 0.0) + rec["fwd_bwd_ms"]
+    if len(totals) < 2:
+        return "faithful", "no bf16 timings of both CUDA variants: the default (faithful)"
+    best = min(totals, key=totals.get)
+    return best, f"fastest bf16 fwd+bwd over the three shapes: {totals}"
+
+
+def summarize(runner: Runner) -> dict:
+    """The figures that matter, pulled out of the steps' results."""
+    s = runner.steps
+    out: dict = {"parity": {}, "wkv_fwd_bwd_ms": {}, "training": {}, "memory": []}
+    for step in ("wkv_fp32", "wkv_bf16", "wkv_fla_bf16"):
+        res = s.get(step, {}).get("result") or {}
+        for shape in res.get("shapes", []):
+            key = f"({shape['B']},{shape['T']},{shape['H']},{shape['N']})"
+            for name, rec in shape["backends"].items():
+                out["parity"].setdefault(res["dtype"], {}).setdefault(name, {})[key] = {
+                    "passed": rec.get("check_passed"), "max_rel_err": rec.get("max_rel_err"),
+                    **({"error": rec["error"]} if "error" in rec else {})}
+                if "fwd_bwd_ms" in rec:
+                    out["wkv_fwd_bwd_ms"].setdefault(f"{res['dtype']} {key}", {})[name] = \
+                        rec["fwd_bwd_ms"]
+    for name, rec in s.items():
+        res = rec.get("result") or {}
+        if name.startswith("train_") and "samples_per_s" in res:
+            out["training"][name] = {
+                "pairs_per_s": round(res["samples_per_s"], 1),
+                "peak_memory_gib": round(res["peak_memory_bytes"] / GiB, 2),
+                "estimated_peak_gib": round(res["estimated_peak_bytes"] / GiB, 2),
+                "wkv_share": res.get("wkv_share")}
+    for key, claim in CLAIMS.items():
+        if key.startswith("inference"):
+            res = (s.get(f"memory_{key}", {}).get("result") or {}).get("measured") or {}
+            measured, est = res.get("measured_peak_bytes"), res.get("estimated_peak_bytes")
+        else:
+            res = s.get(f"train_faithful_eager{'_ckpt' if key.endswith('ckpt') else ''}",
+                        {}).get("result") or {}
+            measured, est = res.get("peak_memory_bytes"), res.get("estimated_peak_bytes")
+        out["memory"].append({"what": key, "claim": claim,
+                              "measured_gib": round(measured / GiB, 2) if measured else None,
+                              "planner_estimate_gib": round(est / GiB, 2) if est else None})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="rehearsal on a machine without CUDA: CUDA steps run their CPU dry form")
+    ap.add_argument("--wheels", action="append", default=None,
+                    help="wheel folder(s) to install from (default .whl)")
+    ap.add_argument("--site", default=str(REPO / ".cache" / "gpu_check" / "site"),
+                    help="target folder for the wheels (emptied first)")
+    ap.add_argument("--budget", type=float, default=465.0, help="seconds for all steps")
+    ap.add_argument("--timeout-scale", type=float, default=1.0,
+                    help="multiply every step's timeout (the rehearsal's dry runs share 2 CPU "
+                         "cores and build the kernels cold)")
+    ap.add_argument("--subcommand", nargs="+", help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.subcommand:
+        sub, *rest = ns.subcommand
+        return {"imports": lambda: cmd_imports(*rest),
+                "build": lambda: cmd_build(rest),
+                "torchrun-step": lambda: cmd_torchrun_step(*rest),
+                "dali-gpu": cmd_dali_gpu}[sub]()
+
+    python = sys.executable
+    site = Path(ns.site).resolve()
+    wheel_dirs = [Path(w).resolve() for w in (ns.wheels or [str(REPO / ".whl")])]
+    base_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    base_env["PYTHONUNBUFFERED"] = "1"
+    env = dict(base_env, PYTHONPATH=f"{site}{os.pathsep}{REPO}",
+               PATH=f"{site / 'bin'}{os.pathsep}{base_env.get('PATH', '')}")
+    # a kernel cache of the check's own: the build step times a cold build, a timed-out
+    # build's leftover locks can be cleared, and no other checkout's cache is touched
+    own_cache = "RWKV_CLIP_KERNEL_CACHE" not in env
+    kernels = Path(env.setdefault("RWKV_CLIP_KERNEL_CACHE", str(site.parent / "kernels")))
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+    # wheels first: nothing else imports without them
+    wheels = install_wheels(python, site, wheel_dirs, base_env)
+    probe = subprocess.run([python, "-c", "import torch, json; print(json.dumps(dict("
+                            "torch=torch.__version__, cuda=torch.version.cuda, "
+                            "available=torch.cuda.is_available(), device=torch.cuda."
+                            "get_device_name(0) if torch.cuda.is_available() else None)))"],
+                           capture_output=True, text=True, env=env)
+    torch_info = last_json(probe.stdout) or {"error": probe.stderr[-1500:]}
+    cuda = bool(torch_info.get("available"))
+    runner = Runner(ns.budget, env, ns.rehearse, cuda, ns.timeout_scale)
+    runner.steps["wheels"] = wheels
+    print(f"== wheels: {wheels['status']} ({len(wheels['installed'])} installed)", file=sys.stderr)
+    if ns.rehearse and cuda:
+        print("note: --rehearse on a machine with CUDA runs the real steps", file=sys.stderr)
+
+    me = [python, str(Path(__file__).resolve()), "--subcommand"]
+    runner.run(Step("environment", ["bash", "-c",
+                    "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,"
+                    "noheader 2>&1 || echo 'no nvidia-smi'; nvcc --version 2>&1 | tail -2 "
+                    "|| echo 'no nvcc'"], 20))
+    runner.run(Step("imports", me + ["imports", str(site)], 90,
+                    why="every module the steps import, and where it comes from"))
+    # the published configs' kernels (T_max 256) and the GPU tests' T=300 one (T_max 512)
+    jobs = ["cpu"] + [f"{v}:{n}:{t}" for v in ("faithful", "fast")
+                      for n, t in ((64, 77), (80, 49), (64, 300))]
+    build = runner.run(Step("build_kernels", me + ["build", *jobs], 180,
+                            why="kernel build time: CPU kernel and both CUDA variants for "
+                                "N=64/80 T_max 256 and N=64 T_max 512 (the GPU tests), "
+                                "one process each, in parallel"))
+    if build["status"] == "timed_out" and own_cache:  # dead builders leave locks behind
+        build["locks_removed"] = [str(p) for p in kernels.rglob("lock")]
+        for lock in kernels.rglob("lock"):
+            lock.unlink()
+    runner.run(Step("gpu_tests", [python, "-m", "pytest", "-m", "gpu", "--slow", "-q",
+                                  "-p", "no:cacheprovider", "tests"], 90, cuda=True,
+                    dry=[python, "-m", "pytest", "-m", "gpu", "--slow", "-q",
+                         "-p", "no:cacheprovider", "--collect-only", "tests"],
+                    why="the GPU-marked tests"))
+    runner.run(wkv_step("wkv_fp32", "fp32", "cuda-faithful,cuda-fast", 75, "reference,cpu",
+                        "parity vs float64 (y + 5 grads) and fwd+bwd time, fp32 inputs"))
+    runner.run(wkv_step("wkv_bf16", "bf16", "cuda-faithful,cuda-fast", 75, "reference,cpu",
+                        "parity vs float64 (y + 5 grads) and fwd+bwd time, bf16 inputs"))
+    runner.run(wkv_step("wkv_fla_bf16", "bf16", "cuda-faithful,fla-chunk,fla-fused-recurrent",
+                        120, "fla-naive",
+                        "the anchor: fla's chunk_rwkv6 / fused_recurrent_rwkv6 as a "
+                        "bidirectional op, checked vs float64 before timing (bf16)"))
+    best, best_why = fastest_cuda_variant(runner)
+    runner.steps["best_cuda_variant"] = {"status": "ok", "variant": best, "why": best_why}
+    for ckpt in (False, True):
+        tag = "_ckpt" if ckpt else ""
+        runner.run(train_step(f"train_faithful_eager{tag}", "faithful", ckpt, False, 75))
+    for ckpt in (False, True):
+        tag = "_ckpt" if ckpt else ""
+        if best == "faithful" and cuda:
+            runner.note(f"train_best_eager{tag}", "skipped",
+                        "the best kernel is the faithful one: same as train_faithful_eager")
+        else:
+            runner.run(train_step(f"train_best_eager{tag}", best if cuda else "fast", ckpt,
+                                  False, 75))
+    runner.run(memory_step("memory_inference_bf16_b1", "bf16", 60))
+    runner.run(memory_step("memory_inference_fp32_b1", "fp32", 60))
+    runner.run(Step("torchrun_nccl", me + ["torchrun-step", "cuda", "bf16"], 90, cuda=True,
+                    dry=me + ["torchrun-step", "cpu", "fp32"],
+                    why="one-process torchrun of train.py, 2 steps, NCCL"))
+    for ckpt in (False, True):
+        tag = "_ckpt" if ckpt else ""
+        runner.run(train_step(f"train_best_compiled{tag}", best if cuda else "fast", ckpt,
+                              True, 150))
+    dali = has_module(python, "nvidia.dali", env)
+    if not dali:
+        runner.note("dali_gpu", "skipped", "DALI is not importable (it cannot travel: ~480 MB)")
+    else:
+        runner.run(Step("dali_gpu", me + ["dali-gpu"], 60, cuda=True,
+                        why="the DALI GPU pipeline over a tiny RecordIO file"))
+
+    failed = [n for n, r in runner.steps.items() if r["status"] in ("failed", "timed_out")]
+    # the default as the builder has it (read, not imported: this process has no SITE)
+    found = re.search(r'^DEFAULT_CUDA_VARIANT = "(\w+)"',
+                      (REPO / "rwkv_clip" / "ops" / "build.py").read_text(), re.M)
+    from_build = found.group(1) if found else None
+    report = {
+        "rehearsal": ns.rehearse,
+        "date": started,
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch_info,
+        "budget_s": ns.budget,
+        "total_s": round(time.monotonic() - runner.start, 1),
+        "all_ok": not failed,
+        "failed": failed,
+        "default_cuda_variant": {"now": from_build, "fastest_measured": best,
+                                 "why": best_why},
+        "summary": summarize(runner),
+        "steps": runner.steps,
+    }
+    text = json.dumps(report, indent=1)
+    Path(ns.out).write_text(text + "\n")
+    print(json.dumps({k: report[k] for k in ("rehearsal", "total_s", "all_ok", "failed")}))
+    print(f"wrote {ns.out}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""zero_shot.py writes its results beside the evaluated run, never into the current folder."""
+from pathlib import Path
+
+from rwkv_clip.eval.runner import DEFAULT_SCORE_FILE, options, output_paths
+
+
+def test_results_go_beside_the_checkpoints_run(tmp_path):
+    weight = tmp_path / "runs" / "b32" / "checkpoints" / "epoch_latest.pt"
+    json_dir, score = output_paths(options(model_weight=str(weight)))
+    assert json_dir == tmp_path / "runs" / "b32" / "eval_results"
+    assert score == json_dir / DEFAULT_SCORE_FILE
+    # the parser's default name means "not given" as well
+    assert output_paths(options(model_weight=str(weight), output_dir="eval_results"))[0] \
+        == json_dir
+
+
+def test_weights_elsewhere_and_a_fresh_model(tmp_path):
+    weight = tmp_path / "downloads" / "RWKV_CLIP_B32.pt"
+    assert output_paths(options(pretrained=str(weight)))[0] == (
+        tmp_path / "downloads" / "eval_results")
+    assert output_paths(options())[0] == Path("runs") / "zero_shot" / "eval_results"
+
+
+def test_an_explicit_output_dir_wins(tmp_path):
+    weight = tmp_path / "runs" / "x" / "checkpoints" / "epoch_1.pt"
+    assert output_paths(options(model_weight=str(weight), output_dir=str(tmp_path / "r")))[0] \
+        == tmp_path / "r"
+    json_dir, score = output_paths(options(output_dir=str(tmp_path / "scores.txt")))
+    assert (json_dir, score) == (tmp_path, tmp_path / "scores.txt")

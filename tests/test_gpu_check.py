@@ -1,0 +1,149 @@
+"""The GPU check's offline install stage: the travelling wheels cover what the project
+imports on a lent device, and they install and import the way gpu_check.sh does it.
+
+The device is offline, so a wheel missing from scripts/device_wheels.txt is only found
+there, at the cost of the whole lent slot. These tests find it here: statically (every
+third-party import of the project is preinstalled on the device or travels as a wheel),
+and, with the wheels at hand (.whl/, or fetched by scripts/device_wheels.sh where pip can
+reach an index), by installing them into a fresh target folder and importing the stack.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+sys.modules["gpu_check"] = gpu_check  # its dataclasses look their module up there
+spec.loader.exec_module(gpu_check)
+
+# imported only where they exist (importorskip / try-import), never needed on the device
+OPTIONAL = {"nvidia", "fla_anchor", "train_util", "test_data_common", "zero_shot", "train",
+            "dali_top", "mxnet"}
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def listed_dists() -> set[str]:
+    text = (REPO / "scripts" / "device_wheels.txt").read_text()
+    reqs = [re.sub(r"#.*", "", line).strip() for line in text.splitlines()]
+    return {norm(r.split("==")[0]) for r in reqs if r} | {"torchvision"}
+
+
+def project_imports() -> set[str]:
+    """Top-level names of every absolute import in the code the check runs."""
+    files = [*(REPO / "rwkv_clip").rglob("*.py"), *(REPO / "scripts").glob("*.py"),
+             *(REPO / "tests").glob("*.py"), REPO / "train.py", REPO / "zero_shot.py",
+             REPO / "dali.py"]
+    names = set()
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def test_wheel_list_matches_the_checks_table():
+    assert listed_dists() == {norm(d) for d in gpu_check.WHEEL_DISTS}
+
+
+def test_every_project_import_is_preinstalled_or_travels():
+    available = (set(sys.stdlib_module_names) | set(gpu_check.WHEEL_DISTS.values())
+                 | set(gpu_check.DEVICE_PREINSTALLED.values()) | {"rwkv_clip"} | OPTIONAL)
+    missing = sorted(project_imports() - available)
+    assert not missing, f"imported by the project but neither on the device nor in .whl/: {missing}"
+
+
+def wheel_requirements(whl: Path) -> set[str]:
+    """Unconditional Requires-Dist names of a wheel (extras and markers dropped)."""
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode().splitlines()
+    reqs = set()
+    for line in lines:
+        if line.startswith("Requires-Dist:") and "extra ==" not in line:
+            reqs.add(norm(re.split(r"[\s;(<>=!~\[]", line.split(":", 1)[1].strip())[0]))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> Path:
+    folder = REPO / ".whl"
+    if not list(folder.glob("*.whl")):
+        folder = tmp_path_factory.mktemp("whl")
+        try:
+            proc = subprocess.run(["bash", str(REPO / "scripts" / "device_wheels.sh"),
+                                   "--dest", str(folder)], capture_output=True, text=True,
+                                  timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.skip("no .whl/ and scripts/device_wheels.sh timed out (no index reachable?)")
+        if proc.returncode != 0:
+            pytest.skip(f"no .whl/ and scripts/device_wheels.sh failed (no index reachable?): "
+                        f"{proc.stderr.strip()[-300:]}")
+    return folder
+
+
+def test_wheels_bring_their_own_requirements(wheels):
+    """Installed with --no-deps, so each wheel's requirements must travel or be there."""
+    have = {norm(d) for d in (*gpu_check.WHEEL_DISTS, *gpu_check.DEVICE_PREINSTALLED)}
+    present = {norm(gpu_check.wheel_name_tags(w)[0]) for w in wheels.glob("*.whl")}
+    assert listed_dists() <= present, f"not downloaded: {sorted(listed_dists() - present)}"
+    for whl in wheels.glob("*.whl"):
+        missing = wheel_requirements(whl) - have
+        assert not missing, f"{whl.name} needs {sorted(missing)}: add them to device_wheels.txt"
+
+
+@pytest.mark.slow  # imports torch, open_clip, timm and fla in a fresh interpreter (~30-60 s)
+def test_install_and_import_stage(wheels, tmp_path):
+    site = tmp_path / "site"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = gpu_check.install_wheels(sys.executable, site, [wheels], env)
+    assert res["status"] == "ok", res["stderr_tail"]
+    pure = [w for w in res["installed"] if w.endswith("-none-any.whl")]
+    # every wheel is either installed or left out with its reason; no pure one is left out
+    assert set(res["installed"]) | set(res["left_out"]) == {w.name for w in wheels.glob("*.whl")}
+    assert sorted(pure) == sorted(w.name for w in wheels.glob("*-none-any.whl")), res
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"),
+                           "--subcommand", "imports", str(site)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0 and not out["missing"], out["missing"] or proc.stderr[-2000:]
+    assert out["rwkv_clip"]["tokens_shape"] == [1, 77]
+    # the pure-Python wheels are the ones imported (first on the path), not the host's
+    for dist, module in gpu_check.WHEEL_DISTS.items():
+        if any(norm(w).startswith(norm(dist) + "-") for w in pure):
+            assert out["modules"][module]["from_wheels"], (module, out["modules"][module])
+
+
+def test_binary_wheel_for_another_python_is_left_out(tmp_path):
+    """The cp312 torchvision meant for the device is not installed into this Python."""
+    other = "cp312" if sys.version_info[:2] != (3, 12) else "cp311"
+    fake = tmp_path / f"torchvision-0.26.0-{other}-{other}-manylinux_2_28_x86_64.whl"
+    fake.write_bytes(b"")
+    dist, tags = gpu_check.wheel_name_tags(fake)
+    assert dist == "torchvision" and f"{other}-{other}-manylinux_2_28_x86_64" in tags
+    assert not tags & gpu_check.wheel_tags(sys.executable)
+    res = gpu_check.install_wheels(sys.executable, tmp_path / "site", [tmp_path], dict(os.environ))
+    assert res["installed"] == [] and fake.name in res["left_out"] and res["status"] == "failed"
+
+
+def test_last_json_reads_indented_and_one_line_output():
+    assert gpu_check.last_json('noise\n{"a": 1}\n') == {"a": 1}
+    assert gpu_check.last_json('{\n "b": [\n  2\n ]\n}') == {"b": [2]}
+    assert gpu_check.last_json("warning: x\n{\n \"c\": 3\n}\n") == {"c": 3}
+    assert gpu_check.last_json("no json here") is None
