@@ -3,11 +3,17 @@ import copy
 
 import pytest
 import torch
+from train_util import tiny_model
 
 from rwkv_clip import ClipLoss
-from rwkv_clip.train.accumulation import (MicroBatch, NonFiniteLossError, caption_generator,
-                                          choose_captions, make_micro_batches, train_step)
-from train_util import tiny_model
+from rwkv_clip.train.accumulation import (
+    MicroBatch,
+    NonFiniteLossError,
+    caption_generator,
+    choose_captions,
+    make_micro_batches,
+    train_step,
+)
 
 
 def _batch(n=8, size=16, seed=1):
