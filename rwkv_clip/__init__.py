@@ -17,8 +17,7 @@ from .config import ConfigError, ModelArgs, load_model_configs
 from .image_rwkv import Image_RWKV
 from .layers import DropPath
 from .loss import ClipLoss
-from .model import (RWKVCLIP, CheckpointError, create_RWKV_Model, get_model,
-                    load_model_weight)
+from .model import RWKVCLIP, CheckpointError, create_RWKV_Model, get_model, load_model_weight
 from .ops import wkv6_bidirectional
 from .pretrained import create_model_and_transforms, get_tokenizer, list_pretrained
 from .text_rwkv import Text_RWKV

@@ -61,7 +61,7 @@ class get_model(nn.Module):
         """Force a WKV backend ("cuda", "cpu", "reference") or None to follow the device."""
         for module in self.modules():
             if hasattr(module, "wkv_backend"):
-                setattr(module, "wkv_backend", backend)
+                module.wkv_backend = backend
 
 
 RWKVCLIP = get_model  # a descriptive alias

@@ -79,7 +79,7 @@ def test_srun_style_launch_forms_a_gloo_group(tmp_path):
                               env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
              for r in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs, strict=False):
         assert p.returncode == 0, err
     lines = sorted(out.strip() for out, _ in outs)
     assert lines == ["slurm 0 2 gloo 3", "slurm 1 2 gloo 3"]

@@ -219,7 +219,11 @@ def test_classifier_and_logits_follow_the_formula(data):
     renormalised; logits = 100 * normalised image features @ classifier."""
     from rwkv_clip import create_RWKV_Model, image_transform, load_model_configs, tokenize
     from rwkv_clip.eval.datasets import image_folder_set
-    from rwkv_clip.eval.zeroshot import build_classifier, classification_logits, evaluate_imagefolder
+    from rwkv_clip.eval.zeroshot import (
+        build_classifier,
+        classification_logits,
+        evaluate_imagefolder,
+    )
 
     torch.manual_seed(3)
     model = create_RWKV_Model(load_model_configs(TINY)).eval()

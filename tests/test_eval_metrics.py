@@ -5,9 +5,15 @@ import pytest
 import torch
 
 from rwkv_clip.eval.distributed import shard_range
-from rwkv_clip.eval.metrics import (classification_metrics, headline_metric_name,
-                                    mean_per_class_recall, per_class_recall, recall_at_k,
-                                    retrieval_metrics, retrieval_metrics_from_scores)
+from rwkv_clip.eval.metrics import (
+    classification_metrics,
+    headline_metric_name,
+    mean_per_class_recall,
+    per_class_recall,
+    recall_at_k,
+    retrieval_metrics,
+    retrieval_metrics_from_scores,
+)
 from rwkv_clip.eval.results import result_record, score_line, summary, validate_record
 
 # 5 samples, 6 classes. By hand:

@@ -8,8 +8,11 @@ import torch
 from PIL import Image
 
 from rwkv_clip.eval.datasets import DatasetNotFoundError, EvalError
-from rwkv_clip.eval.retrieval import (ORIGINAL_CAPTION_PREFIX, build_retrieval_set,
-                                      load_retrieval_file)
+from rwkv_clip.eval.retrieval import (
+    ORIGINAL_CAPTION_PREFIX,
+    build_retrieval_set,
+    load_retrieval_file,
+)
 
 
 def _img(path, v=100):

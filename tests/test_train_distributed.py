@@ -5,10 +5,10 @@ import sys
 
 import pytest
 import torch
+from train_util import REPO, TINY_CONFIG, make_tiny_rec, tiny_argv
 
 from rwkv_clip import create_RWKV_Model, load_model_configs
 from rwkv_clip.train.checkpoint import LATEST
-from train_util import REPO, TINY_CONFIG, make_tiny_rec, tiny_argv
 
 
 def _torchrun(argv, cwd, nproc=2):

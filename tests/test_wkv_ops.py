@@ -55,7 +55,7 @@ def grads_of(fn, inputs, gy):
     xs = [x.detach().clone().requires_grad_(True) for x in inputs]
     y = fn(*xs)
     gs = torch.autograd.grad(y, xs, gy.to(y.dtype), allow_unused=True)
-    gs = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, gs)]
+    gs = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, gs, strict=False)]
     return y.detach(), gs
 
 
@@ -75,7 +75,7 @@ def test_reference_matches_brute_force(B, T, H, N):
     y_bf, g_bf = grads_of(brute_force, inputs, gy)
     assert y_ref.dtype == torch.float64
     torch.testing.assert_close(y_ref, y_bf, rtol=1e-10, atol=1e-10)
-    for name, a, b in zip("rkvwu", g_ref, g_bf):
+    for name, a, b in zip("rkvwu", g_ref, g_bf, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"grad {name}")
     # the decay must matter once a step lies between two others
     if T >= 3:
@@ -110,7 +110,7 @@ def test_cpu_kernel_matches_reference(B, T, H, N):
     y, g = grads_of(lambda *a: wkv6_bidirectional(*a, backend="cpu"), f32, gy.float())
     assert y.dtype == torch.float32 and y.shape == (B, T, H * N)
     assert_close(y, y_ref, 1e-5, "y")
-    for name, a, b, x in zip("rkvwu", g, g_ref, f32):
+    for name, a, b, x in zip("rkvwu", g, g_ref, f32, strict=False):
         assert a.dtype == x.dtype and a.shape == x.shape
         assert_close(a, b, 2e-5, f"grad {name}")
     if T < 3:  # no step lies strictly between two others: dw is exactly zero
@@ -124,7 +124,7 @@ def test_cpu_kernel_float64_inputs_exact():
     _, g_ref = grads_of(wkv6_bidirectional_reference, inputs, gy)
     y, g = grads_of(lambda *a: wkv6_bidirectional(*a, backend="cpu"), inputs, gy)
     assert y.dtype == torch.float32 and g[0].dtype == torch.float64
-    for name, a, b in zip("rkvwu", g, g_ref):
+    for name, a, b in zip("rkvwu", g, g_ref, strict=False):
         assert_close(a, b, 1e-5, f"grad {name}")
 
 
@@ -143,7 +143,7 @@ def test_cpu_kernel_bf16_inputs_and_bf16_params():
         y, g = grads_of(lambda *a: wkv6_bidirectional(*a, backend="cpu"), inputs, gy)
         assert y.dtype == torch.float32
         assert_close(y, y_ref, 1e-5, "y")
-        for name, a, b, x in zip("rkvwu", g, g_ref, inputs):
+        for name, a, b, x in zip("rkvwu", g, g_ref, inputs, strict=False):
             assert a.dtype == x.dtype, f"grad {name} dtype {a.dtype} != {x.dtype}"
             assert_close(a, b, 1e-2, f"grad {name}")  # bf16 output rounding
 
@@ -379,7 +379,7 @@ def test_cuda_kernel_logic_emulated_on_cpu(tmp_path, variant, N):
         lib.emu_backward(B, T, C, H, *map(ptr, f32), ptr(g32), *map(ptr, outs))
         outs[4] = outs[4].sum(0).view(H, N)
         assert_close(y, y_ref, 1e-5, f"{variant} y T={T}")
-        for name, a, b in zip("rkvwu", outs, g_ref):
+        for name, a, b in zip("rkvwu", outs, g_ref, strict=False):
             assert_close(a, b, 2e-5, f"{variant} grad {name} (B={B}, T={T}, H={H}, N={N})")
 
 
@@ -400,7 +400,7 @@ def test_cuda_kernel_matches_reference(B, T, H, N, variant):
     y, g = grads_of(lambda *a: run_native("cuda", *a, variant=variant), dev, gy.float().cuda())
     assert y.dtype == torch.float32
     assert_close(y.cpu(), y_ref, 1e-5, "y")
-    for name, a, b in zip("rkvwu", g, g_ref):
+    for name, a, b in zip("rkvwu", g, g_ref, strict=False):
         assert a.dtype == torch.float32
         assert_close(a.cpu(), b, 5e-5, f"grad {name}")
 
@@ -419,7 +419,7 @@ def test_cuda_kernel_bf16_inputs(variant):
     dev = [x.cuda() for x in inputs]
     y, g = grads_of(lambda *a: run_native("cuda", *a, variant=variant), dev, gy.cuda())
     assert_close(y.cpu(), y_ref, 1e-5, "y")
-    for name, a, b, x in zip("rkvwu", g, g_ref, inputs):
+    for name, a, b, x in zip("rkvwu", g, g_ref, inputs, strict=False):
         assert a.dtype == x.dtype
         assert_close(a.cpu(), b, 1e-2, f"grad {name}")
 
@@ -447,7 +447,7 @@ def test_two_processes_build_the_same_kernel_into_a_fresh_cache(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=900)[0] for p in procs]
-    for p, out in zip(procs, outs):
+    for p, out in zip(procs, outs, strict=False):
         assert p.returncode == 0 and "OK" in out, out[-3000:]
 
 

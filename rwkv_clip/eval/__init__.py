@@ -11,11 +11,25 @@ Preprocessing per set, as the original: ``eval_transform(dataset, input_size)``.
 
 Importing this package reads no data and starts no process group.
 """
-from .datasets import (PAPER_DATASETS, ClassificationSet, DatasetNotFoundError, EvalError,
-                       ImageReadError, build_classification_set, default_classnames,
-                       default_templates, image_folder_set, load_templates)
-from .metrics import (accuracy, classification_metrics, headline_metric_name,
-                      mean_per_class_recall, retrieval_metrics)
+from .datasets import (
+                       PAPER_DATASETS,
+                       ClassificationSet,
+                       DatasetNotFoundError,
+                       EvalError,
+                       ImageReadError,
+                       build_classification_set,
+                       default_classnames,
+                       default_templates,
+                       image_folder_set,
+                       load_templates,
+)
+from .metrics import (
+                       accuracy,
+                       classification_metrics,
+                       headline_metric_name,
+                       mean_per_class_recall,
+                       retrieval_metrics,
+)
 from .results import result_record, summary, write_result
 from .retrieval import RetrievalSet, build_retrieval_set, evaluate_retrieval, load_retrieval_file
 from .transforms import ImageNetEvalTransform, eval_transform

@@ -44,7 +44,7 @@ class _Guarded(Dataset):
         idx = self.indices[i]
         try:
             image, target = self.base[idx]
-        except Exception as exc:  # noqa: BLE001 - reported to the user with the file name
+        except Exception as exc:
             return None, -1, idx, f"{self.describe(idx)}: {type(exc).__name__}: {exc}"
         return image, int(target), idx, ""
 

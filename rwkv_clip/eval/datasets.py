@@ -22,14 +22,16 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
+
 from ..errors import DataError, EvalError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -325,7 +327,7 @@ class RecordImageSet(Dataset):
         try:
             with Image.open(io.BytesIO(data)) as img:
                 img = img.convert("RGB")
-        except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad bytes
+        except Exception as exc:
             raise DataError(f"undecodable image ({type(exc).__name__}: {exc})",
                             self.reader.rec_path, key) from None
         if self.transform is not None:
@@ -370,17 +372,42 @@ def _samples_describer(ds) -> Callable[[int], str]:
 
 # ------------------------------------------------------------------ the 11 sets
 LAYOUTS = {
-    "cifar10": "{root}/cifar-10-batches-py/{{data_batch_1..5, test_batch, batches.meta}}   (torchvision CIFAR10)",
+    "cifar10": (
+        "{root}/cifar-10-batches-py/{{data_batch_1..5, test_batch, batches.meta}}"
+        "   (torchvision CIFAR10)"),
     "cifar100": "{root}/cifar-100-python/{{train, test, meta}}   (torchvision CIFAR100)",
-    "food101": "{root}/food-101/images/<class>/*.jpg\n{root}/food-101/meta/{{classes.txt, test.json}}   (torchvision Food101)",
-    "pets": "{root}/oxford-iiit-pet/images/*.jpg\n{root}/oxford-iiit-pet/annotations/test.txt   (torchvision OxfordIIITPet)",
-    "flowers": "{root}/flowers-102/jpg/image_*.jpg\n{root}/flowers-102/{{imagelabels.mat, setid.mat}}   (torchvision Flowers102; needs scipy)",
-    "sun397": "{root}/SUN397/ClassName.txt\n{root}/SUN397/<letter>/<class>/sun_*.jpg   (torchvision SUN397)",
-    "stanford_car": "{root}/stanford_cars/devkit/cars_meta.mat\n{root}/stanford_cars/cars_test_annos_withlabels.mat\n{root}/stanford_cars/cars_test/*.jpg   (torchvision StanfordCars; needs scipy)",
-    "dtd": "{root}/dtd/dtd/images/<class>/*.jpg\n{root}/dtd/dtd/labels/test1.txt   (torchvision DTD, partition 1)",
-    "caltech101": "{root}/caltech101/101_ObjectCategories/<category>/image_0001.jpg ...   (torchvision Caltech101)",
-    "aircraft": "{root}/fgvc-aircraft-2013b/data/{{images/, images_variant_test.txt, variants.txt}}   (torchvision FGVCAircraft)",
-    "imagenet": "{root}/imagenet/val/<wnid>/*.JPEG   (1000 class folders, sorted wnid order)\n  or {root}/val/<wnid>/*.JPEG\n  or {root}/imagenet/val.rec + val.idx   (the original's MXNet RecordIO; label = class index)\n  or {root}/val.rec + val.idx",
+    "food101": (
+        "{root}/food-101/images/<class>/*.jpg\n"
+        "{root}/food-101/meta/{{classes.txt, test.json}}   (torchvision Food101)"),
+    "pets": (
+        "{root}/oxford-iiit-pet/images/*.jpg\n"
+        "{root}/oxford-iiit-pet/annotations/test.txt   (torchvision OxfordIIITPet)"),
+    "flowers": (
+        "{root}/flowers-102/jpg/image_*.jpg\n"
+        "{root}/flowers-102/{{imagelabels.mat, setid.mat}}"
+        "   (torchvision Flowers102; needs scipy)"),
+    "sun397": (
+        "{root}/SUN397/ClassName.txt\n"
+        "{root}/SUN397/<letter>/<class>/sun_*.jpg   (torchvision SUN397)"),
+    "stanford_car": (
+        "{root}/stanford_cars/devkit/cars_meta.mat\n"
+        "{root}/stanford_cars/cars_test_annos_withlabels.mat\n"
+        "{root}/stanford_cars/cars_test/*.jpg   (torchvision StanfordCars; needs scipy)"),
+    "dtd": (
+        "{root}/dtd/dtd/images/<class>/*.jpg\n"
+        "{root}/dtd/dtd/labels/test1.txt   (torchvision DTD, partition 1)"),
+    "caltech101": (
+        "{root}/caltech101/101_ObjectCategories/<category>/image_0001.jpg ..."
+        "   (torchvision Caltech101)"),
+    "aircraft": (
+        "{root}/fgvc-aircraft-2013b/data/{{images/, images_variant_test.txt, variants.txt}}"
+        "   (torchvision FGVCAircraft)"),
+    "imagenet": (
+        "{root}/imagenet/val/<wnid>/*.JPEG   (1000 class folders, sorted wnid order)\n"
+        "  or {root}/val/<wnid>/*.JPEG\n"
+        "  or {root}/imagenet/val.rec + val.idx"
+        "   (the original's MXNet RecordIO; label = class index)\n"
+        "  or {root}/val.rec + val.idx"),
 }
 
 
@@ -425,11 +452,11 @@ def build_classification_set(name: str, data_root: str | os.PathLike, transform=
     if name == "cifar10":
         _require(name, root, [root / "cifar-10-batches-py" / "test_batch"], layout)
         ds = _tv(name, root, lambda: tvd.CIFAR10(str(root), train=False, download=False, transform=transform))
-        describe = lambda i: f"test_batch image {i}"  # noqa: E731
+        describe = lambda i: f"test_batch image {i}"
     elif name == "cifar100":
         _require(name, root, [root / "cifar-100-python" / "test"], layout)
         ds = _tv(name, root, lambda: tvd.CIFAR100(str(root), train=False, download=False, transform=transform))
-        describe = lambda i: f"cifar-100 test image {i}"  # noqa: E731
+        describe = lambda i: f"cifar-100 test image {i}"
     elif name == "food101":
         _require(name, root, [root / "food-101" / "meta" / "test.json", root / "food-101" / "images"], layout)
         ds = _tv(name, root, lambda: tvd.Food101(str(root), split="test", download=False, transform=transform))
@@ -471,11 +498,11 @@ def build_classification_set(name: str, data_root: str | os.PathLike, transform=
                                "3000/5677 needs all 8677; use caltech101_split='all' otherwise)")
             _, test_idx = random_split_indices(len(full), [3000, 5677], ORIGINAL_SEED)
             ds = _Subset(full, test_idx)
-            describe = lambda i: full.samples[test_idx[i]][0]  # noqa: E731
+            describe = lambda i: full.samples[test_idx[i]][0]
         else:
             raise EvalError(f"caltech101 split must be 'original' or 'all', got {caltech101_split!r}")
         if describe is None:
-            describe = lambda i: full.samples[i][0]  # noqa: E731
+            describe = lambda i: full.samples[i][0]
     elif name == "sun397":
         _require(name, root, [root / "SUN397" / "ClassName.txt"], layout)
         full = SUN397Images(root, transform)
@@ -485,7 +512,7 @@ def build_classification_set(name: str, data_root: str | os.PathLike, transform=
                            "19850 test from the 108754 of SUN397)")
         _, test_idx, _ = random_split_indices(n, [19850, 19850, n - 2 * 19850], SUN397_SEED)
         ds = _Subset(full, test_idx)
-        describe = lambda i: full.samples[test_idx[i]][0]  # noqa: E731
+        describe = lambda i: full.samples[test_idx[i]][0]
     elif name == "imagenet":
         folder = next((p for p in (root / "imagenet" / "val", root / "val") if p.is_dir()), None)
         rec = next((p for p in (root / "imagenet" / "val.rec", root / "val.rec") if p.is_file()),
@@ -496,7 +523,7 @@ def build_classification_set(name: str, data_root: str | os.PathLike, transform=
                 raise _missing(name, root, layout, f"(found {len(classes)} class folders in "
                                f"{folder}, expected 1000)")
             ds = ImageListDataset(samples, transform)
-            describe = lambda i: samples[i][0]  # noqa: E731
+            describe = lambda i: samples[i][0]
         elif rec is not None:
             ds = RecordImageSet(str(rec), transform, num_classes=1000)
             describe = ds.describe

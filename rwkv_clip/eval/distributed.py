@@ -33,7 +33,7 @@ def gather_rows(indices: torch.Tensor, *tensors: torch.Tensor, info: DistInfo | 
     if info.world_size > 1:
         gathered: list = [None] * info.world_size
         dist.all_gather_object(gathered, payload)
-        parts = list(zip(*gathered))
+        parts = list(zip(*gathered, strict=False))
         payload = [torch.cat(list(p), dim=0) for p in parts]
     order = torch.argsort(payload[0])
     return tuple(t[order] for t in payload[1:])

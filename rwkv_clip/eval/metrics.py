@@ -9,7 +9,7 @@ which turned near-ties into exact ties; we never do that.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 TASKS = ("zeroshot_classification", "zeroshot_retrieval")
 REQUIRED_KEYS = ("dataset", "model", "pretrained", "task", "metrics")
@@ -53,7 +53,8 @@ def validate_record(record: dict) -> None:
     for key, value in record["metrics"].items():
         if value is None:  # acc5 with fewer than 5 classes, as CLIP_benchmark
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+        not_a_number = isinstance(value, bool) or not isinstance(value, (int, float))
+        if not_a_number or (isinstance(value, float) and not math.isfinite(value)):
             raise ValueError(f"metric {key} = {value!r} is not a finite number")
 
 
@@ -105,7 +106,8 @@ def retrieval_table(records: Sequence[dict]) -> str:
 
 def _format(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)

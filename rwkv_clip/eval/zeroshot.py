@@ -9,7 +9,7 @@ padded or counted twice, in one process or sharded over torchrun ranks.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

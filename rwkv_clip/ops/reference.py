@@ -47,6 +47,6 @@ def wkv6_bidirectional_reference(r, k, v, w, u):
     decay = torch.exp(-torch.exp(heads(w)))
     u_ = u.to(dtype)
     forward = _causal_scan(r_, k_, v_, decay, u_)
-    flip = lambda x: x.flip(2)  # noqa: E731 - time reversal
+    flip = lambda x: x.flip(2)
     backward = flip(_causal_scan(flip(r_), flip(k_), flip(v_), flip(decay), None))
     return (forward + backward).transpose(1, 2).reshape(B, T, C)

@@ -46,8 +46,14 @@ from .accumulation import (
     unscale_and_clip,
 )
 from .args import warn_ignored
-from .logger import (Board, SpeedLogger, close_logging, prepare_wkv_kernel, progress_bar,
-                     setup_logging)
+from .logger import (
+    Board,
+    SpeedLogger,
+    close_logging,
+    prepare_wkv_kernel,
+    progress_bar,
+    setup_logging,
+)
 from .schedule import lr_at, set_lr
 
 
