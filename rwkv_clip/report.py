@@ -291,7 +291,7 @@ def _accuracy_panel(ax, curves: TrainingCurves) -> None:
     last = curves.zero_shot[-1]
     ax.annotate(f"{last[2]:.1f}%", (last[0], last[2]), textcoords="offset points",
                 xytext=(-10, -16), ha="right")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")
 
 
 def _confusion_panel(ax, predictions: dict[str, Any]) -> None:

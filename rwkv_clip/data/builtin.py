@@ -16,8 +16,9 @@ as the raw / synthetic / generated variants:
   round disc near the upper left"
 
 Zero-shot classes are colour x shape (30 classes, chance 3.3%): colour alone is quick
-to learn and gives at most 16.7% top-1 (6 classes' worth); shape adds the rest. The held-out zero-shot
-split is an image folder with one sub-folder per class (``red_circle``...),
+to learn and gives about 20% top-1 (the right colour, one of its 5 shapes at random);
+shape adds the rest. The held-out zero-shot split is an image folder with one sub-folder
+per class (``red_circle``...),
 ``classnames.json`` (a list aligned with the sorted sub-folder names, i.e. torchvision
 ``ImageFolder`` order) and ``templates.json`` (a list of prompt templates with ``{}``).
 A held-out ``val`` .rec (same distribution as train) is also written, for retrieval.
@@ -226,7 +227,7 @@ def _write_split(prefix: str, rng: np.random.Generator, n: int, size: int) -> No
         items.append((_jpeg(img), captions(attrs, rng)))
     toks = encode_captions_batch([caps for _, caps in items])
     with RecordIOWriter(prefix + ".rec", prefix + ".idx") as w:
-        for i, ((jpg, caps), t) in enumerate(zip(items, toks)):
+        for i, ((jpg, _), t) in enumerate(zip(items, toks, strict=True)):
             w.write_image_record(i, labels_for_rec(t), jpg)
     with open(prefix + ".captions.jsonl", "w") as f:
         for i, (_, caps) in enumerate(items):
