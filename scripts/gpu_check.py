@@ -16,7 +16,7 @@ anchor's adapter through fla's own PyTorch recurrence, the training steps on the
 config, torchrun over gloo), so argument errors and missing imports show up here.
 
 Internal subcommands (run by the steps): ``imports``, ``build``, ``torchrun-step``,
-``dali-gpu``.
+``torchrun-ddp`` (runs ``ddp-step`` under torchrun), ``dali-gpu``.
 """
 from __future__ import annotations
 
@@ -303,7 +303,49 @@ def cmd_torchrun_step(device: str, precision: str) -> int:
                           "backend_expected": backend,
                           "backend_in_log": backend in text.lower() or None,
                           "checkpoints": ckpts, "log_tail": text[-1500:],
-                          "stderr_tail": proc.stderr[-1500:]}))
+                          "stdout_tail": proc.stdout[-1500:],
+                          "stderr_head": proc.stderr[:3000]}))
+    return proc.returncode
+
+
+def cmd_ddp_step(device: str) -> int:
+    """Under torchrun: a process group of its own (NCCL on CUDA, gloo on CPU; train.py
+    starts none for one process), an all-reduce, and one DDP training step of the tiny
+    model through the training loop's step; prints JSON."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from rwkv_clip.memory import _build, make_step, synthetic_batch
+    cuda = device == "cuda"
+    dev = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda
+           else torch.device("cpu"))
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        ones = torch.ones(4, device=dev)
+        dist.all_reduce(ones)
+        args, model = _build(TINY, dev, False, None)
+        ddp = DistributedDataParallel(model, device_ids=[dev] if cuda else None)
+        step = make_step(ddp, "bf16" if cuda else "fp32", dev.type)
+        images, tokens = synthetic_batch(args, 8, dev)
+        losses = [float(step(images, tokens)) for _ in range(2)]
+        print(json.dumps({"backend": dist.get_backend(), "world_size": dist.get_world_size(),
+                          "all_reduce_sum": ones.sum().item(), "losses": losses}))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def cmd_torchrun_ddp(device: str) -> int:
+    """One-process torchrun of the ddp-step subcommand; prints its JSON."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "1", str(Path(__file__).resolve()), "--subcommand", "ddp-step", device]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    res = last_json(proc.stdout) or {}
+    print(json.dumps({"rc": proc.returncode, **res,
+                      **({"stderr_head": proc.stderr[:3000]} if proc.returncode else {})}))
     return proc.returncode
 
 
@@ -439,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         return {"imports": lambda: cmd_imports(*rest),
                 "build": lambda: cmd_build(rest),
                 "torchrun-step": lambda: cmd_torchrun_step(*rest),
+                "ddp-step": lambda: cmd_ddp_step(*rest),
+                "torchrun-ddp": lambda: cmd_torchrun_ddp(*rest),
                 "dali-gpu": cmd_dali_gpu}[sub]()
 
     python = sys.executable
@@ -517,7 +561,11 @@ def main(argv: list[str] | None = None) -> int:
     runner.run(memory_step("memory_inference_fp32_b1", "fp32", 60))
     runner.run(Step("torchrun_nccl", me + ["torchrun-step", "cuda", "bf16"], 90, cuda=True,
                     dry=me + ["torchrun-step", "cpu", "fp32"],
-                    why="one-process torchrun of train.py, 2 steps, NCCL"))
+                    why="one-process torchrun of train.py, 2 steps (it starts no process "
+                        "group for one process)"))
+    runner.run(Step("torchrun_nccl_ddp", me + ["torchrun-ddp", "cuda"], 90, cuda=True,
+                    dry=me + ["torchrun-ddp", "cpu"],
+                    why="one-process torchrun: NCCL process group, all-reduce, 2 DDP steps"))
     for ckpt in (False, True):
         tag = "_ckpt" if ckpt else ""
         runner.run(train_step(f"train_best_compiled{tag}", best if cuda else "fast", ckpt,
