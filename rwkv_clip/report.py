@@ -174,15 +174,15 @@ def predictions_from_checkpoint(run_dir: str | os.PathLike, folder: str) -> dict
     """Evaluate the run's newest checkpoint on ``folder`` (its config inferred from the
     parameter shapes, as ``zero_shot.py`` does)."""
     from .config import load_model_configs
-    from .eval.runner import infer_config_name
     from .model import check_state_dict, create_RWKV_Model, read_state_dict
+    from .pretrained import infer_config
 
     ckpt = newest_checkpoint(run_dir)
     if ckpt is None:
         raise EvalError(f"{run_dir}: no {PREDICTIONS_NAME} and no checkpoint in "
                         f"{Path(run_dir) / 'checkpoints'} to compute the predictions from")
     state_dict = read_state_dict(str(ckpt))
-    name = infer_config_name(state_dict)
+    name = infer_config(state_dict)
     if name is None:
         raise EvalError(f"checkpoint {ckpt} matches none of the shipped model configs; the "
                         "picture needs its predictions: evaluate it with the training config")
@@ -226,7 +226,10 @@ def _spread(items: list, k: int) -> list:
 def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
                 out_path: str | os.PathLike, title: str = "") -> Path:
     """Draw the panels into ``out_path`` (PNG) and return its path."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise EvalError("drawing report.png needs matplotlib (pip install matplotlib)") from None
     matplotlib.use("Agg", force=True)  # no display needed; called only here
     import matplotlib.pyplot as plt
     from PIL import Image

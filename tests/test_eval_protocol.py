@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from rwkv_clip.config import load_model_configs
 from rwkv_clip.data import DataError, IRHeader, RecordIOWriter, pack
 from rwkv_clip.eval import eval_transform
 from rwkv_clip.transform import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
@@ -247,5 +248,6 @@ def test_single_flag_overrides_small_default():
     opts = parse_options(["--image-depth", "3", "--device", "cpu"])
     model, args, name, _ = build_model(opts, torch.device("cpu"), DistInfo())
     assert name == "RWKV_CLIP_small" and args.image_depth == 3
-    assert args.image_embed_dims == 128 and args.input_size == 32  # the rest: small's
+    small = load_model_configs("RWKV_CLIP_small")  # the rest: small's
+    assert (args.image_embed_dims, args.input_size) == (small.image_embed_dims, small.input_size)
     assert len(model.image_model.layers) == 3

@@ -28,7 +28,8 @@ sys.modules["gpu_check"] = gpu_check  # its dataclasses look their module up the
 spec.loader.exec_module(gpu_check)
 
 # imported only where they exist (importorskip / try-import), never needed on the device
-OPTIONAL = {"nvidia", "fla_anchor", "train_util", "test_data_common", "zero_shot", "train",
+OPTIONAL = {"matplotlib",  # report.png only; train.py logs "report not drawn" without it
+            "nvidia", "fla_anchor", "train_util", "test_data_common", "zero_shot", "train",
             "dali_top", "mxnet"}
 
 

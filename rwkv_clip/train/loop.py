@@ -32,7 +32,7 @@ import torch
 
 from .. import create_RWKV_Model
 from ..distributed import DistInfo, any_rank_true, barrier, cleanup_distributed, init_distributed
-from ..errors import ResumeError, TrainArgsError, TrainingError, run_cli
+from ..errors import ResumeError, RWKVCLIPError, TrainArgsError, TrainingError, run_cli
 from ..loss import ClipLoss
 from ..model import load_model_weight
 from ..precision import get_precision
@@ -524,7 +524,10 @@ def summarise(state: RunState, model: torch.nn.Module, final: dict | None, elaps
         if final is not None:
             log.info(f"final zero-shot accuracy: {describe_zero_shot(final)}")
         from ..report import write_report
-        log.info(f"report: {write_report(args.output, model=model, zero_shot_dir=zero_shot_dir)}")
+        try:
+            log.info(f"report: {write_report(args.output, model=model, zero_shot_dir=zero_shot_dir)}")
+        except RWKVCLIPError as exc:  # the run and its checkpoints are fine without the picture
+            log.info(f"report not drawn: {exc}")
     return {"steps": state.step, "epochs": state.epoch, "train_seconds": elapsed,
             "last_loss": loss, "checkpoint": state.last_saved, "zero_shot": final,
             "zero_shot_history": state.zero_shot_history, "model": model}
