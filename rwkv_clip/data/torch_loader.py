@@ -176,6 +176,11 @@ def eval_transform(im: Image.Image, size: int) -> torch.Tensor:
     return _to_tensor(im, CLIP_MEAN, CLIP_STD)
 
 
+def undecodable(exc: BaseException) -> str:
+    """The reason given for an image PIL cannot decode (every loader words it so)."""
+    return f"undecodable image ({type(exc).__name__}: {exc})"
+
+
 def image_tensor(data: bytes, size: int, train: bool, draw: tuple, where: tuple) -> torch.Tensor:
     """Decode and transform one image; the train augmentation draws come from a
     ``random.Random`` seeded by ``draw`` (e.g. (seed, rank, epoch, index)), so they do
@@ -183,7 +188,7 @@ def image_tensor(data: bytes, size: int, train: bool, draw: tuple, where: tuple)
     try:
         im = decode_image(data, 2 * size)
     except Exception as e:  # PIL/OSError/... while decoding
-        raise DataError(f"undecodable image ({type(e).__name__}: {e})", *where) from None
+        raise DataError(undecodable(e), *where) from None
     if train:
         return train_transform(im, size, random.Random(hash(draw) & 0xFFFFFFFF))
     return eval_transform(im, size)
