@@ -240,14 +240,26 @@ class ImageTextDataset(torch.utils.data.Dataset):
             try:
                 img, tok = self._load(j)
                 return img, tok, skipped
-            except DataError:
+            except DataError as e:
                 if not self.skip_corrupt or skipped >= min(MAX_SKIP_TRIES, n - 1):
-                    raise
+                    # returned, not raised: raised in a worker it would reach the user as
+                    # a worker traceback; the main process raises it (TorchLoader.__iter__)
+                    return _Failed(e)
                 skipped += 1
                 j = (j + 1) % n
 
 
+class _Failed:
+    """A sample that could not be loaded: its DataError, carried to the main process."""
+
+    def __init__(self, error: DataError):
+        self.error = error
+
+
 def _collate(batch):
+    failed = [b for b in batch if isinstance(b, _Failed)]
+    if failed:
+        return failed[0]
     imgs = torch.stack([b[0] for b in batch])
     toks = torch.stack([b[1] for b in batch]).to(torch.int64)
     return imgs, toks, sum(b[2] for b in batch)
@@ -328,7 +340,11 @@ class TorchLoader:
         self.dataset.epoch = self.epoch
         self.sampler.set_epoch(self.epoch)
         self.skipped_epoch = 0
-        for imgs, toks, skipped in self._loader:
+        for batch in self._loader:
+            if isinstance(batch, _Failed):
+                self._stop_workers()
+                raise batch.error
+            imgs, toks, skipped = batch
             if skipped:
                 self.skipped += skipped
                 self.skipped_epoch += skipped
@@ -336,6 +352,19 @@ class TorchLoader:
                     self.log(f"skipped {skipped} corrupt record(s) "
                              f"(total {self.skipped})")
             yield imgs, toks
+
+    def _stop_workers(self) -> None:
+        """Shut the worker processes down before an error leaves the loader, so none is
+        left starting up against a main process that is exiting (their noise buried the
+        error)."""
+        it = getattr(self._loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self._loader._iterator = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch`` (a resumed run): its permutation and draws."""
+        self.epoch = int(epoch)
 
     def reset(self):
         """Advance to the next epoch (new permutation and augmentation draws)."""
