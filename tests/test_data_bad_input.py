@@ -9,8 +9,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from rwkv_clip.data import (DataError, RecordIOReader, RecordIOWriter, build_train_loader, check_rec,
-                            dali_available)
+from rwkv_clip.data import (DataError, RecordIOReader, RecordIOWriter, build_train_loader,
+                            check_rec, dali_available)
 from rwkv_clip.data.wds import check_wds
 from rwkv_clip.data.writers import write_rec, write_wds
 

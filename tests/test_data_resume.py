@@ -53,7 +53,7 @@ def _run(loader, epochs, first_skip=0):
 
 def _same(a, b):
     assert len(a) == len(b)
-    for (ia, ta), (ib, tb) in zip(a, b):
+    for (ia, ta), (ib, tb) in zip(a, b, strict=True):
         assert torch.equal(ta, tb)
         assert torch.equal(ia, ib)
 
@@ -63,7 +63,7 @@ def test_resume_at_epoch_boundary_and_mid_epoch(rec, kind, recwarn):
     dali_or_skip(kind)
     full = _run(build_train_loader(_args(rec, kind), log=None), 3)
     # epochs differ (new order / augmentation), so the comparisons below have teeth
-    assert not all(torch.equal(a[1], b[1]) for a, b in zip(full[0], full[1]))
+    assert not all(torch.equal(a[1], b[1]) for a, b in zip(full[0], full[1], strict=True))
     assert not torch.equal(full[1][0][0], full[2][0][0])
 
     at2 = build_train_loader(_args(rec, kind), log=None)
@@ -83,5 +83,5 @@ def test_epoch_stream_does_not_depend_on_workers(rec, kind):
     dali_or_skip(kind)
     a = _run(build_train_loader(_args(rec, kind, workers=1), log=None), 2)
     b = _run(build_train_loader(_args(rec, kind, workers=2), log=None), 2)
-    for ea, eb in zip(a, b):
+    for ea, eb in zip(a, b, strict=True):
         _same(ea, eb)
