@@ -85,3 +85,40 @@ def test_epoch_stream_does_not_depend_on_workers(rec, kind):
     b = _run(build_train_loader(_args(rec, kind, workers=2), log=None), 2)
     for ea, eb in zip(a, b, strict=True):
         _same(ea, eb)
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", LOADERS)
+def test_training_resumed_at_epoch_boundary_and_mid_epoch_is_exact(tmp_path, kind):
+    """Issue 10's case on a tiny config (CPU, fp32, dropout on): resumed from
+    ``epoch_1.pt`` and from a step inside epoch 1, the run ends with the weights of the
+    uninterrupted run (with DALI it diverged from the epoch checkpoint)."""
+    dali_or_skip(kind)
+    from rwkv_clip.train import main, parse_args
+    from rwkv_clip.train import checkpoint as ckpt_io
+    from train_util import make_tiny_rec, tiny_argv
+
+    data = make_tiny_rec(tmp_path / "data", n=24)
+    extra = ["--epochs", "3", "--batch-size", "8", "--dropout", "0.1", "--seed", "5",
+             "--save-every-steps", "4", "--loader", kind, "--workers", "1"]
+    full = main(parse_args(tiny_argv(tmp_path / "full", data, *extra)))
+    assert full["steps"] == 9
+    ckdir = tmp_path / "full" / "checkpoints"
+    for name, step in (("epoch_1.pt", 3), ("step_4.pt", 4)):
+        state = torch.load(ckdir / name, weights_only=True)
+        assert state["step"] == step and state["epoch"] == 1
+        out = tmp_path / f"resumed-{name}"
+        resumed = main(parse_args(tiny_argv(out, data, *extra, "--resume", str(ckdir / name))))
+        assert resumed["steps"] == full["steps"]
+        assert _max_diff(_weights(resumed["model"]), _weights(full["model"])) < 1e-6, name
+        assert _max_diff(state["state_dict"], _weights(full["model"])) > 1e-4  # has teeth
+    assert ckpt_io.LATEST

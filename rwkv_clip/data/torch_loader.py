@@ -310,6 +310,17 @@ class ShardSampler(torch.utils.data.Sampler):
         return self.num_batches * self.bs if self.train else len(self.indices())
 
 
+def private_generator(seed: int) -> torch.Generator:
+    """The DataLoader's own generator. Without one, every new DataLoader iterator draws its
+    worker base seed from the global torch RNG - once per epoch, or, with persistent
+    workers, only in the first - so a resumed run (whose first iterator comes after the
+    restored RNG state) drew one number more than the uninterrupted run and its dropout
+    diverged. The augmentation does not use worker seeds (see ImageTextDataset)."""
+    g = torch.Generator()
+    g.manual_seed(int(seed))
+    return g
+
+
 class TorchLoader:
     """Iterable over (images, tokens) batches with ``len()`` and ``reset()``."""
 
@@ -331,7 +342,8 @@ class TorchLoader:
                   prefetch_factor=4) if self.workers else {}
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=batch_size, sampler=self.sampler,
-            num_workers=self.workers, collate_fn=_collate, drop_last=False, **mp)
+            num_workers=self.workers, collate_fn=_collate, drop_last=False,
+            generator=private_generator(seed), **mp)
 
     def __len__(self):
         return self.sampler.num_batches
