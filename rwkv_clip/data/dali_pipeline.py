@@ -6,7 +6,7 @@
 ``args.world_size`` when set, else from the torchrun environment (RANK, LOCAL_RANK,
 WORLD_SIZE), defaulting to 0/0/1. It yields ``(images, tokens)`` torch tensors: images
 float32 (B, 3, S, S) CHW normalised with the CLIP mean/std, tokens int64 (B, 231);
-``reset()`` per epoch; ``len()``.
+``reset()`` per epoch, ``set_epoch(E)`` (a resumed run), ``len()``, ``skipped``.
 
 GPU (as the original): ``readers.mxnet`` sharded by rank with ``random_shuffle`` and
 ``initial_fill=16384``; ``decoders.image_random_crop`` on ``"mixed"`` (aspect 0.8-1.25,
@@ -27,19 +27,30 @@ Evaluation variant (``train=False``): plain decode, resize the shorter side to
 
 Differences from the original, on purpose:
 
+* One pipeline per epoch, seeded by (seed, rank, epoch) (epoch 0 keeps the original's
+  ``rank + 1467``), its reader on shard ``(rank + epoch) % world`` (the original's one
+  pipeline moves on by a shard per epoch the same way). Epoch E is then a function of
+  the run's settings alone, so a resumed run reproduces it exactly; the original's
+  continuous streams after E epochs are reachable only by running E epochs (and
+  ``reset()`` on a fresh iterator is refused with "DALI iterator does not support
+  resetting while epoch is not finished", which made resumes diverge).
 * ``pad_last_batch=True`` with the FILL policy: every epoch on every rank has the same
   ``ceil(shard/B)`` full batches (the original's ``pad_last_batch=False`` + FILL lets
   the epoch boundary drift and the per-epoch batch count vary, which can desynchronise
   DDP ranks).
 * Labels are converted to int64 and 154-label records (two captions) are padded to
   231 by repeating the second caption (in DALI, ``fn.pad`` with -1, then in torch).
-* Bad input never reaches DALI: files are checked in Python first (``check_rec`` /
-  ``check_wds``); record-level problems raise :class:`DataError` or, with
-  ``skip_corrupt``, are dropped via a filtered index (WebDataset: only whole bad shards
-  can be dropped). An image DALI still fails to decode (bytes look like a JPEG but are
-  garbage) is reported as a DataError naming the file and, after a Python scan of the
-  data, the record; DALI cannot skip it mid-epoch, so use the torch loader to skip such
-  records.
+* Bad input: files are checked in Python first (``check_rec`` / ``check_wds``, the
+  checks the torch loader makes: structure, label count, label values are token ids);
+  record-level problems raise :class:`DataError` or, with ``skip_corrupt``, are dropped
+  via a filtered index (WebDataset: only whole bad shards can be dropped). What the
+  pre-check cannot see - an image DALI fails to decode, or labels of records a quick
+  check skipped (every batch's labels are checked) - stops the pipeline; the record is
+  then located by reading the data as the torch loader does, and raised as the same
+  DataError the torch loader gives, or, with ``skip_corrupt`` (``.rec``), dropped and
+  counted: the epoch's pipeline is rebuilt without it and advanced to where it stood.
+  Decoders differ at the margin: an image DALI decodes but PIL refuses (or the reverse)
+  is trained on by one loader and skipped by the other.
 * On GPU, images come back as CUDA tensors and tokens as CPU int64 tensors (as the
   original: its labels were moved with ``.cuda()`` in the training loop).
 """
@@ -142,6 +153,7 @@ class DALIWrapper:
         self.can_drop = can_drop
         self.log = log
         self.skipped = 0            # records dropped (before the run and while running)
+        self.skipped_epoch = 0      # of them, in the current epoch (run time only)
         self.dropped: set = set()   # keys dropped while running
         self.iter = None
         self.epoch = 0
@@ -169,8 +181,12 @@ class DALIWrapper:
         self._open(int(epoch))
 
     def reset(self) -> None:
-        """Go to the next epoch (call after each epoch, as with the torch loader)."""
+        """Go to the next epoch (call after each epoch, as with the torch loader). Records
+        dropped while running are skipped again in every later epoch and counted each
+        time, as the torch loader meets and counts a bad record every epoch."""
         self._open(self.epoch + 1)
+        self.skipped_epoch = len(self.dropped)
+        self.skipped += self.skipped_epoch
 
     def __len__(self):
         return self._len
@@ -231,6 +247,7 @@ class DALIWrapper:
                             f"torch loader)", path, record) from None
         self.dropped.update(b[2] for b in new)
         self.skipped += len(new)
+        self.skipped_epoch += len(new)
         if self.log:
             self.log(f"[data] skipping {len(new)} corrupt record(s) (total {self.skipped}); "
                      f"first: {new[0][1]} record {new[0][2]}: {new[0][0]}")
