@@ -58,19 +58,24 @@ def _same(a, b):
         assert torch.equal(ia, ib)
 
 
-@pytest.mark.parametrize("kind", LOADERS)
+@pytest.mark.parametrize("kind", LOADERS + ["dali-gpu"])
 def test_resume_at_epoch_boundary_and_mid_epoch(rec, kind, recwarn):
+    kw = {}
+    if kind == "dali-gpu":  # the GPU pipeline (mixed decoder, GPU ops): where there is one
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        kind, kw = "dali", {"device": "cuda"}
     dali_or_skip(kind)
-    full = _run(build_train_loader(_args(rec, kind), log=None), 3)
+    full = _run(build_train_loader(_args(rec, kind, **kw), log=None), 3)
     # epochs differ (new order / augmentation), so the comparisons below have teeth
     assert not all(torch.equal(a[1], b[1]) for a, b in zip(full[0], full[1], strict=True))
     assert not torch.equal(full[1][0][0], full[2][0][0])
 
-    at2 = build_train_loader(_args(rec, kind), log=None)
+    at2 = build_train_loader(_args(rec, kind, **kw), log=None)
     _put_at_epoch(at2, 2)
     _same(_run(at2, 1)[0], full[2])
 
-    mid = build_train_loader(_args(rec, kind), log=None)
+    mid = build_train_loader(_args(rec, kind, **kw), log=None)
     _put_at_epoch(mid, 1)
     got = _run(mid, 2, first_skip=2)
     _same(got[0], full[1][2:])

@@ -171,6 +171,8 @@ class DALIWrapper:
             try:
                 self.iter = self._make_iter(epoch, frozenset(self.dropped))
                 return
+            except DataError:
+                raise
             except RuntimeError as e:  # the first batches are prefetched while building
                 if "CUDA" in str(e):
                     raise
@@ -234,13 +236,13 @@ class DALIWrapper:
     def _recover(self, exc: RuntimeError) -> None:
         """Locate the bad record behind ``exc``; raise its DataError, or drop it."""
         dali_msg = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
-        bad = self._find_bad(exc)
+        bad = self._find_bad(exc, frozenset(self.dropped))
         if not bad:
             raise DataError(f"DALI failed and no bad record was found in Python; DALI said: "
                             f"{dali_msg}") from exc
         new = [b for b in bad if b[2] not in self.dropped]
         if not self.skip_corrupt or not new:
-            raise DataError(*bad[0]) from None
+            raise DataError(*(new or bad)[0]) from None
         if not self.can_drop:
             reason, path, record = new[0]
             raise DataError(f"{reason} (DALI cannot skip a sample inside a shard; use the "
