@@ -380,3 +380,26 @@ def test_dali_checks_labels_of_records_the_precheck_did_not_see(good, tmp_path, 
                  p + ".rec", key)
     L, ids = run_skipping(args(p, "dali", check_level="quick", skip_corrupt=True), tmap)
     assert L.skipped == 1 and ids == set(range(N)) - {key}
+
+
+@pytest.mark.slow
+def test_train_cli_reports_a_bad_record_in_one_line_with_every_loader(good, tmp_path):
+    """train.py with 2 torch workers (the record fails inside a worker) and with DALI:
+    the same one ``error:`` line, no traceback, exit status 2."""
+    import subprocess
+    import sys
+
+    from train_util import REPO, tiny_argv
+    p, key = _undecodable(good, tmp_path)
+    lines = {}
+    for kind in ["torch"] + (["dali"] if dali_available() else []):
+        argv = tiny_argv(tmp_path / kind, p, "--loader", kind, "--workers", "2")
+        out = subprocess.run([sys.executable, str(REPO / "train.py"), *argv],
+                             capture_output=True, text=True, timeout=600, cwd=REPO,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr and "SemLock" not in out.stderr, out.stderr
+        lines[kind] = out.stderr.strip().splitlines()[-1]
+        assert lines[kind].startswith("train.py: error: undecodable image")
+        assert f"file: {p}.rec | record: {key}" in lines[kind]
+    assert len(set(lines.values())) == 1, lines
