@@ -45,6 +45,7 @@ class DataError(RWKVCLIPError, RuntimeError):
     """
 
     def __init__(self, message: str, path: str | None = None, record=None):
+        self.message = message
         self.path = path
         self.record = record
         parts = [message]
@@ -53,6 +54,9 @@ class DataError(RWKVCLIPError, RuntimeError):
         if record is not None:
             parts.append(f"record: {record}")
         super().__init__(" | ".join(parts))
+
+    def __reduce__(self):  # pickled (data-loader workers) with its parts, not the joined text
+        return type(self), (self.message, self.path, self.record)
 
 
 class DistributedError(RWKVCLIPError, RuntimeError):

@@ -8,7 +8,8 @@ Examples:
   python scripts/make_rec.py 'yfcc15m/data/train-*.parquet' out/yfcc15m    # parquet
 
 Input: JSONL/CSV with ``image`` (path), ``raw`` caption, optional ``synthetic`` and
-``generated``; a folder of img2dataset ``NNNNN.tar`` shards; or parquet shards (file,
+``generated`` (UTF-8, or --encoding); a folder of img2dataset output (``NNNNN.tar``
+shards or the ``files`` layout ``00000/000000000.jpg`` + ``.txt``); or parquet shards (file,
 glob, brace list or folder; img2dataset parquet or the Hub's YFCC15M layout, columns
 overridden with --image-column / --caption-columns). See rwkv_clip/data/writers.py.
 """
@@ -24,15 +25,29 @@ from rwkv_clip.data import convert  # noqa: E402
 from rwkv_clip.errors import run_cli  # noqa: E402
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (``--resize -5`` made every image 1x1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("input", help="JSONL/CSV of pairs, a folder of img2dataset .tar shards, or "
                                  "parquet shards (file, glob, brace list or folder)")
     p.add_argument("output", help="output prefix (PREFIX.rec/.idx, or PREFIX-000000.tar...)")
     p.add_argument("--format", choices=["rec", "wds"], default="rec")
-    p.add_argument("--resize", type=int, default=None,
+    p.add_argument("--resize", type=positive_int, default=None,
                    help="shrink so the shorter side is at most this many pixels")
-    p.add_argument("--shard-size", type=int, default=1000, help="samples per wds shard")
+    p.add_argument("--shard-size", type=positive_int, default=1000,
+                   help="samples per wds shard")
+    p.add_argument("--encoding", default="utf-8",
+                   help="text encoding of a JSONL/CSV pairs file (default utf-8; e.g. latin-1)")
     p.add_argument("--image-column", default=None,
                    help="parquet image column (default: jpg, images, image or img)")
     p.add_argument("--caption-columns", default=None, metavar="RAW[,SYN[,GEN]]",
@@ -41,7 +56,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     s = convert(a.input, a.output, fmt=a.format, resize=a.resize, shard_size=a.shard_size,
                 progress=not a.no_progress, image_column=a.image_column,
-                caption_columns=a.caption_columns)
+                caption_columns=a.caption_columns, encoding=a.encoding)
     print(f"written: {s['written']}  skipped: {s['skipped']}")
     for reason, n in sorted(s["reasons"].items(), key=lambda x: -x[1]):
         print(f"  {n:8d}  {reason}")

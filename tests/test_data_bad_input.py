@@ -9,7 +9,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from rwkv_clip.data import DataError, RecordIOReader, RecordIOWriter, build_train_loader, check_rec
+from rwkv_clip.data import (DataError, RecordIOReader, RecordIOWriter, build_train_loader,
+                            check_rec, dali_available)
 from rwkv_clip.data.wds import check_wds
 from rwkv_clip.data.writers import write_rec, write_wds
 
@@ -292,3 +293,113 @@ def test_dali_error_past_unchecked_record_is_diagnosed(good, tmp_path, monkeypat
     expect_error(args(p, "dali", check_level="quick"), "not the start of a record",
                  p + ".rec", key)
     assert calls == ["quick", "full"]
+
+
+# ----------------------------------------------------------------------------- one answer
+
+def _flipped_label(good, tmp_path):
+    """One flipped byte inside record 6's float32 token labels (the structure is intact)."""
+    p = copy_rec(good, tmp_path, "l")
+    off = offsets(p)[6] + 8 + 24 + 4 * 1 + 3  # record header, IRHeader, label 1 (a token)
+    with open(p + ".rec", "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)[0]
+        f.seek(off)
+        f.write(bytes([byte ^ 0x40]))
+    return p, 6
+
+
+ONE_ANSWER = {
+    "undecodable image": (_undecodable, "undecodable image \\((OSError|UnidentifiedImageError)"),
+    "flipped label byte": (_flipped_label, "token ids outside|not integral token ids"),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_ANSWER))
+def test_every_loader_gives_one_answer(good, tmp_path, tmap, case):
+    """The same bad record: the same one-line DataError from every loader (naming file and
+    record, with the same reason), and with skip_corrupt the same skip count and samples."""
+    make, match = ONE_ANSWER[case]
+    p, key = make(good, tmp_path)
+    kinds = ["torch"] + (["dali"] if dali_available() else [])
+    errors, skipped = {}, {}
+    for kind in kinds:
+        e = expect_error(args(p, kind, workers=1), match, p + ".rec", key)
+        assert "\n" not in str(e) and "worker" not in str(e).lower(), str(e)
+        errors[kind] = str(e).split(";")[0]
+        L, ids = run_skipping(args(p, kind, workers=1, skip_corrupt=True), tmap)
+        assert ids == set(range(N)) - {key}, kind
+        L.reset()
+        assert set(run_skipping_again(L, tmap)) == set(range(N)) - {key}, kind
+        skipped[kind] = L.skipped
+    assert len(set(errors.values())) == 1, errors
+    # once per epoch where the record is met at run time, once where the pre-check saw it
+    assert len(set(skipped.values())) == 1 and set(skipped.values()) <= {1, 2}, skipped
+
+
+def run_skipping_again(L, tmap):
+    ids = []
+    for images, tokens in L:
+        ids += check_batch_pairs(images, tokens, tmap)
+    return ids
+
+
+def test_torch_worker_error_is_the_data_error(good, tmp_path):
+    """Raised in a worker process, the DataError reaches the caller as itself: its own
+    one-line message and fields, not a worker traceback."""
+    p, key = _undecodable(good, tmp_path)
+    e = expect_error(args(p, "torch", workers=2), "undecodable image", p + ".rec", key)
+    assert type(e) is DataError and e.path == p + ".rec" and e.record == key
+    assert str(e).startswith("undecodable image (") and "Traceback" not in str(e)
+
+
+def test_check_rec_catches_label_values(good, tmp_path):
+    p, key = _flipped_label(good, tmp_path)
+    chk = check_rec(p)
+    assert [k for k, _ in chk.bad] == [key]
+
+
+def test_dali_checks_labels_of_records_the_precheck_did_not_see(good, tmp_path, tmap,
+                                                               monkeypatch):
+    """A bad label the quick pre-check did not look at: DALI's batches are checked as the
+    torch loader checks each record - the DataError names the record, or it is skipped."""
+    pytest.importorskip("nvidia.dali")
+    import rwkv_clip.data.dali_pipeline as dp
+    from rwkv_clip.data.recordio import RecCheck, read_index
+    p, key = _flipped_label(good, tmp_path)
+    real = dp.check_rec
+
+    def blind_first(prefix, level="full", **kw):
+        if level == "quick":  # pretend the pre-check sampled only good records
+            idx = read_index(prefix + ".idx")
+            return RecCheck(prefix + ".rec", prefix + ".idx", len(idx), 1, idx, [], {231})
+        return real(prefix, level=level, **kw)
+
+    monkeypatch.setattr(dp, "check_rec", blind_first)
+    expect_error(args(p, "dali", check_level="quick"), "token ids outside|not integral",
+                 p + ".rec", key)
+    L, ids = run_skipping(args(p, "dali", check_level="quick", skip_corrupt=True), tmap)
+    assert L.skipped == 1 and ids == set(range(N)) - {key}
+
+
+@pytest.mark.slow
+def test_train_cli_reports_a_bad_record_in_one_line_with_every_loader(good, tmp_path):
+    """train.py with 2 torch workers (the record fails inside a worker) and with DALI:
+    the same one ``error:`` line, no traceback, exit status 2."""
+    import subprocess
+    import sys
+
+    from train_util import REPO, tiny_argv
+    p, key = _undecodable(good, tmp_path)
+    lines = {}
+    for kind in ["torch"] + (["dali"] if dali_available() else []):
+        argv = tiny_argv(tmp_path / kind, p, "--loader", kind, "--workers", "2")
+        out = subprocess.run([sys.executable, str(REPO / "train.py"), *argv],
+                             capture_output=True, text=True, timeout=600, cwd=REPO,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr and "SemLock" not in out.stderr, out.stderr
+        lines[kind] = out.stderr.strip().splitlines()[-1]
+        assert lines[kind].startswith("train.py: error: undecodable image")
+        assert f"file: {p}.rec | record: {key}" in lines[kind]
+    assert len(set(lines.values())) == 1, lines

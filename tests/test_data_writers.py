@@ -145,3 +145,95 @@ def test_make_rec_cli(tmp_path):
                           str(tmp_path / "nope.jsonl"), str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "input file not found" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- issue 10, ask 6
+
+def _stored_pixels(prefix):
+    r = RecordIOReader(prefix)
+    return [np.asarray(Image.open(io.BytesIO(r.read_item(i)[3])).convert("RGB"), np.float64)
+            for i in range(len(r))]
+
+
+def test_16_bit_and_float_images_keep_their_brightness(tmp_path):
+    """A 16-bit greyscale PNG at 25% / 75% of full scale and float images in [0, 1] and
+    [0, 255] are stored at those grey levels (clipping made them white)."""
+    d = tmp_path / "imgs"
+    d.mkdir()
+    ramp = np.linspace(0.25, 0.75, 32)[None, :].repeat(24, 0)  # dark left, bright right
+    Image.fromarray((ramp * 65535).astype(np.uint16)).save(d / "g16.png")
+    assert Image.open(d / "g16.png").mode.startswith("I")
+    Image.fromarray(ramp.astype(np.float32), mode="F").save(d / "f01.tif")
+    Image.fromarray((ramp * 255).astype(np.float32), mode="F").save(d / "f255.tif")
+    rows = [{"image": f"imgs/{n}", "raw": n} for n in ("g16.png", "f01.tif", "f255.tif")]
+    src = write_jsonl(tmp_path / "p.jsonl", rows)
+    s = convert(str(src), str(tmp_path / "o"), progress=False)
+    assert s["written"] == 3, s
+    for px in _stored_pixels(str(tmp_path / "o")):
+        want = ramp * 255
+        assert abs(px[..., 0].mean() - want.mean()) < 3
+        assert abs(px[:, :4].mean() - want[:, :4].mean()) < 4      # dark side stays dark
+        assert abs(px[:, -4:].mean() - want[:, -4:].mean()) < 4
+
+
+@pytest.mark.parametrize("flag,value", [("--resize", "-5"), ("--resize", "0"),
+                                        ("--shard-size", "0"), ("--shard-size", "x")])
+def test_make_rec_refuses_bad_sizes(tmp_path, flag, value):
+    rows = _pairs_folder(tmp_path)
+    src = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "make_rec.py"), str(src),
+                          str(tmp_path / "o"), flag, value, "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert flag in last and "whole number >= 1" in last, out.stderr
+    assert "Traceback" not in out.stderr and not os.path.exists(tmp_path / "o.rec")
+    with pytest.raises(DataError, match="whole number >= 1"):
+        convert(str(src), str(tmp_path / "o"), resize=int(value) if value != "x" else 0,
+                progress=False)
+
+
+def test_non_utf8_caption_names_file_and_line(tmp_path):
+    (tmp_path / "a.jpg").write_bytes(solid_image(0))
+    body = '{"image": "a.jpg", "raw": "fine"}\n{"image": "a.jpg", "raw": "caf\xe9"}\n'
+    (tmp_path / "p.jsonl").write_bytes(body.encode("latin-1"))
+    (tmp_path / "p.csv").write_bytes("image,raw\na.jpg,fine\na.jpg,caf\xe9\n".encode("latin-1"))
+    for name, line in (("p.jsonl", 2), ("p.csv", 3)):  # the CSV's line 1 is its header
+        with pytest.raises(DataError, match=f"line {line} is not valid utf-8") as e:
+            convert(str(tmp_path / name), str(tmp_path / "o"), progress=False)
+        assert f"{name}:{line}" in str(e.value)
+        s = convert(str(tmp_path / name), str(tmp_path / "o"), encoding="latin-1",
+                    progress=False)
+        assert s["written"] == 2
+        assert decode_tokens(RecordIOReader(str(tmp_path / "o")).read_item(1)[2])[0] == "café"
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "make_rec.py"),
+                          str(tmp_path / "p.jsonl"), str(tmp_path / "cli"), "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "p.jsonl:2" in out.stderr and "--encoding" in out.stderr
+
+
+def test_img2dataset_files_layout(tmp_path):
+    """img2dataset's default output: 00000/000000000.jpg + .txt + .json (+ parquet and
+    stats beside the folders)."""
+    d = tmp_path / "i2d"
+    words = {0: "a red cat", 1: "a blue dog", 10000: "a green bird"}
+    for shard, keys in (("00000", (0, 1)), ("00001", (10000,))):
+        (d / shard).mkdir(parents=True)
+        for k in keys:
+            stem = d / shard / f"{k:09d}"
+            stem.with_suffix(".jpg").write_bytes(solid_image(k % 7))
+            stem.with_suffix(".txt").write_text(words[k])
+            stem.with_suffix(".json").write_text(json.dumps({"status": "success",
+                                                             "caption": words[k]}))
+    (d / "00000" / "000000002.json").write_text(json.dumps({"status": "failed_to_download"}))
+    (d / "00000.parquet").write_bytes(b"PAR1 metadata, not read")
+    (d / "00000_stats.json").write_text("{}")
+    s = convert(str(d), str(tmp_path / "r"), progress=False)
+    assert s["written"] == 3, s
+    caps = [decode_tokens(item[2])[0] for item in RecordIOReader(str(tmp_path / "r"))]
+    assert caps == [words[0], words[1], words[10000]]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="no .tar shards and no img2dataset 'files'"):
+        convert(str(empty), str(tmp_path / "x"), progress=False)

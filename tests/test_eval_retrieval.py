@@ -97,3 +97,17 @@ def test_retrieval_eval_precisions(tmp_path, precision):
     for k in (1, 5, 10):
         assert 0.0 <= m[f"text_retrieval_recall@{k}"] <= 1.0
     assert m["text_retrieval_recall@5"] == 1.0 and m["image_retrieval_recall@5"] == 1.0
+
+
+def test_make_rec_pairs_file_is_a_retrieval_file(tmp_path):
+    """make_rec's own input (image + raw, one line per caption) evaluates as is: lines of
+    the same image are one image with all its captions."""
+    _img(tmp_path / "a.jpg")
+    _img(tmp_path / "b.jpg", 30)
+    rows = [{"image": "a.jpg", "raw": "one", "synthetic": "not a reference"},
+            {"image": "b.jpg", "raw": "two"}, {"image": "a.jpg", "raw": "three"}]
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = load_retrieval_file(f)
+    assert s.image_paths == [str(tmp_path / "a.jpg"), str(tmp_path / "b.jpg")]
+    assert s.captions == ["one", "three", "two"] and s.text_to_image == [0, 0, 1]

@@ -6,7 +6,7 @@
 ``args.world_size`` when set, else from the torchrun environment (RANK, LOCAL_RANK,
 WORLD_SIZE), defaulting to 0/0/1. It yields ``(images, tokens)`` torch tensors: images
 float32 (B, 3, S, S) CHW normalised with the CLIP mean/std, tokens int64 (B, 231);
-``reset()`` per epoch; ``len()``.
+``reset()`` per epoch, ``set_epoch(E)`` (a resumed run), ``len()``, ``skipped``.
 
 GPU (as the original): ``readers.mxnet`` sharded by rank with ``random_shuffle`` and
 ``initial_fill=16384``; ``decoders.image_random_crop`` on ``"mixed"`` (aspect 0.8-1.25,
@@ -27,19 +27,30 @@ Evaluation variant (``train=False``): plain decode, resize the shorter side to
 
 Differences from the original, on purpose:
 
+* One pipeline per epoch, seeded by (seed, rank, epoch) (epoch 0 keeps the original's
+  ``rank + 1467``), its reader on shard ``(rank + epoch) % world`` (the original's one
+  pipeline moves on by a shard per epoch the same way). Epoch E is then a function of
+  the run's settings alone, so a resumed run reproduces it exactly; the original's
+  continuous streams after E epochs are reachable only by running E epochs (and
+  ``reset()`` on a fresh iterator is refused with "DALI iterator does not support
+  resetting while epoch is not finished", which made resumes diverge).
 * ``pad_last_batch=True`` with the FILL policy: every epoch on every rank has the same
   ``ceil(shard/B)`` full batches (the original's ``pad_last_batch=False`` + FILL lets
   the epoch boundary drift and the per-epoch batch count vary, which can desynchronise
   DDP ranks).
 * Labels are converted to int64 and 154-label records (two captions) are padded to
   231 by repeating the second caption (in DALI, ``fn.pad`` with -1, then in torch).
-* Bad input never reaches DALI: files are checked in Python first (``check_rec`` /
-  ``check_wds``); record-level problems raise :class:`DataError` or, with
-  ``skip_corrupt``, are dropped via a filtered index (WebDataset: only whole bad shards
-  can be dropped). An image DALI still fails to decode (bytes look like a JPEG but are
-  garbage) is reported as a DataError naming the file and, after a Python scan of the
-  data, the record; DALI cannot skip it mid-epoch, so use the torch loader to skip such
-  records.
+* Bad input: files are checked in Python first (``check_rec`` / ``check_wds``, the
+  checks the torch loader makes: structure, label count, label values are token ids);
+  record-level problems raise :class:`DataError` or, with ``skip_corrupt``, are dropped
+  via a filtered index (WebDataset: only whole bad shards can be dropped). What the
+  pre-check cannot see - an image DALI fails to decode, or labels of records a quick
+  check skipped (every batch's labels are checked) - stops the pipeline; the record is
+  then located by reading the data as the torch loader does, and raised as the same
+  DataError the torch loader gives, or, with ``skip_corrupt`` (``.rec``), dropped and
+  counted: the epoch's pipeline is rebuilt without it and advanced to where it stood.
+  Decoders differ at the margin: an image DALI decodes but PIL refuses (or the reverse)
+  is trained on by one loader and skipped by the other.
 * On GPU, images come back as CUDA tensors and tokens as CPU int64 tensors (as the
   original: its labels were moved with ``.cuda()`` in the training loop).
 """
@@ -54,8 +65,8 @@ import torch
 
 from ..distributed import DistInfo, launch_environment
 from ..errors import DistributedError
-from .recordio import DataError, RecordIOReader, check_rec, rec_paths, unpack, write_index
-from .tokens import CONTEXT_LENGTH, NUM_LABELS
+from .recordio import DataError, check_rec, rec_paths, write_index
+from .tokens import CONTEXT_LENGTH, NUM_LABELS, VOCAB_SIZE
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -95,112 +106,216 @@ def _want_cpu(args) -> bool:
     return not torch.cuda.is_available()
 
 
-def _filtered_index(check, cache_dir: str | None) -> str:
-    """Write the good entries of a checked .rec to a fresh .idx; return its path."""
+def _filtered_index(rec_path: str, entries, cache_dir: str | None) -> str:
+    """Write ``entries`` (the good records of ``rec_path``) to a fresh .idx; return its path."""
     d = cache_dir or os.path.join(tempfile.gettempdir(), "rwkv_clip_idx")
     os.makedirs(d, exist_ok=True)
-    h = hashlib.sha1(f"{os.path.abspath(check.rec_path)}:{len(check.good)}:"
-                     f"{sorted(k for k, _ in check.bad)[:50]}".encode()).hexdigest()[:16]
+    keys = sorted(k for k, _ in entries)
+    h = hashlib.sha1(f"{os.path.abspath(rec_path)}:{len(keys)}:{keys}".encode()).hexdigest()[:16]
     path = os.path.join(d, f"filtered-{h}.idx")
-    write_index(check.good, path)
+    write_index(entries, path)
     return path
 
 
-class DALIWrapper:
-    """(images, tokens) iterator over a DALIGenericIterator; int64 tokens; DataError on failure."""
+def epoch_seed(base: int, epoch: int) -> int:
+    """The pipeline seed of one epoch: epoch 0 keeps the original's ``rank + 1467``."""
+    return (int(base) + 1_000_003 * int(epoch)) % 2**31
 
-    def __init__(self, make_iter, diagnose, pad_tokens: bool, log=None):
+
+class _BadLabels(RuntimeError):
+    """A batch whose token ids are not integral ids in [0, vocab) (found after DALI)."""
+
+
+class DALIWrapper:
+    """(images, tokens) iterator over per-epoch DALI pipelines; int64 tokens.
+
+    Every epoch runs on a pipeline built for that epoch alone (``make_iter(epoch,
+    dropped_keys)``: its seed and shard depend only on the run's seed, the rank and the
+    epoch), so ``set_epoch(E)`` on a fresh loader reproduces epoch E of an uninterrupted
+    run exactly - order, crops and flips - and consuming B batches reproduces any position
+    inside it. One continuous pipeline cannot do that: its reader and augmentation
+    streams after E epochs are only reachable by running E epochs.
+
+    A record that fails once the run is going (DALI cannot decode it, or its labels are
+    not token ids) is located in Python (``find_bad(exc)`` -> [(reason, file, record)]);
+    without ``skip_corrupt`` that is the one DataError raised. With it (``.rec`` only:
+    ``can_drop``) the record is dropped for the rest of the run and counted, the epoch's
+    pipeline is rebuilt without it and advanced to the current position, as the torch
+    loader replaces a bad record and goes on.
+    """
+
+    def __init__(self, make_iter, find_bad, pad_tokens: bool, skip_corrupt: bool = False,
+                 can_drop: bool = False, log=None):
         self._make_iter = make_iter
-        self.iter = make_iter()
-        self._diagnose = diagnose
+        self._find_bad = find_bad
         self.pad_tokens = pad_tokens
-        self.skipped = 0           # records dropped before the run (skip_corrupt)
+        self.skip_corrupt = skip_corrupt
+        self.can_drop = can_drop
         self.log = log
+        self.skipped = 0            # records dropped (before the run and while running)
+        self.skipped_epoch = 0      # of them, in the current epoch (run time only)
+        self.dropped: set = set()   # keys dropped while running
+        self.iter = None
+        self.epoch = 0
+        self._open(0)
+        self._len = len(self.iter)
+
+    # ---- position
+    def _open(self, epoch: int, origin: int = 0) -> None:
+        """Build epoch ``epoch``'s pipeline; its first batch is batch ``origin`` of the epoch."""
+        if origin == 0:
+            self.delivered = 0      # batches of this epoch handed out
+        self.epoch, self._origin, self._taken = epoch, origin, 0
+        while True:
+            self.iter = None        # the old pipeline (GPU memory) goes first
+            try:
+                self.iter = self._make_iter(epoch, frozenset(self.dropped))
+                return
+            except DataError:
+                raise
+            except RuntimeError as e:  # the first batches are prefetched while building
+                if "CUDA" in str(e):
+                    raise
+                self._recover(e)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch`` (a resumed run; see the class docstring)."""
+        self._open(int(epoch))
+
+    def reset(self) -> None:
+        """Go to the next epoch (call after each epoch, as with the torch loader). Records
+        dropped while running are skipped again in every later epoch and counted each
+        time, as the torch loader meets and counts a bad record every epoch."""
+        self._open(self.epoch + 1)
+        self.skipped_epoch = len(self.dropped)
+        self.skipped += self.skipped_epoch
+
+    def __len__(self):
+        return self._len
 
     def __iter__(self):
         return self
 
-    def __next__(self):
-        try:
-            data = next(self.iter)[0]
-        except StopIteration:
-            raise
-        except RuntimeError as e:
-            err = self._diagnose(e)
-            if err is None:  # no bad record found in Python: not a data problem we know
-                raise
-            raise err from e
-        images = data["images"]
-        tokens = data["tokens"].to(torch.int64)
+    # ---- batches
+    def _next_checked(self):
+        data = next(self.iter)[0]
+        images, labels = data["images"], data["tokens"].cpu()
+        # the torch loader's label check (normalize_labels), on the whole batch at once
+        bad = (labels < 0) | (labels >= VOCAB_SIZE) | (labels != labels.round())
+        tokens = labels.to(torch.int64)
         if self.pad_tokens:  # 154-label records were padded with -1 by fn.pad
             miss = tokens[:, 2 * CONTEXT_LENGTH] < 0
             if miss.any():
                 tokens[miss, 2 * CONTEXT_LENGTH:] = tokens[miss, CONTEXT_LENGTH:2 * CONTEXT_LENGTH]
+                bad[miss, 2 * CONTEXT_LENGTH:] = False
+        if bool(bad.any()):
+            raise _BadLabels(f"a batch holds token ids outside [0, {VOCAB_SIZE})")
+        self._taken += 1
         return images, tokens
 
-    def __len__(self):
-        return len(self.iter)
+    def __next__(self):
+        if self.delivered >= self._len:
+            raise StopIteration
+        while True:
+            try:
+                while self._origin + self._taken < self.delivered:  # replay after a rebuild
+                    self._next_checked()
+                batch = self._next_checked()
+                break
+            except StopIteration:
+                # an epoch that lost records can be a batch short: wrap around (as FILL)
+                self._open(self.epoch, origin=self.delivered)
+            except RuntimeError as e:
+                if "CUDA" in str(e):
+                    raise
+                self._recover(e)
+                self._open(self.epoch, origin=self._origin)
+        self.delivered += 1
+        return batch
 
-    def reset(self):
-        self.iter.reset()
+    def _recover(self, exc: RuntimeError) -> None:
+        """Locate the bad record behind ``exc``; raise its DataError, or drop it."""
+        dali_msg = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
+        bad = self._find_bad(exc, frozenset(self.dropped))
+        if not bad:
+            raise DataError(f"DALI failed and no bad record was found in Python; DALI said: "
+                            f"{dali_msg}") from exc
+        new = [b for b in bad if b[2] not in self.dropped]
+        if not self.skip_corrupt or not new:
+            raise DataError(*(new or bad)[0]) from None
+        if not self.can_drop:
+            reason, path, record = new[0]
+            raise DataError(f"{reason} (DALI cannot skip a sample inside a shard; use the "
+                            f"torch loader)", path, record) from None
+        self.dropped.update(b[2] for b in new)
+        self.skipped += len(new)
+        self.skipped_epoch += len(new)
+        if self.log:
+            self.log(f"[data] skipping {len(new)} corrupt record(s) (total {self.skipped}); "
+                     f"first: {new[0][1]} record {new[0][2]}: {new[0][0]}")
 
 
 DIAGNOSE_SECONDS = 120.0
 
 
-def _diagnose_rec(rec_prefix: str, entries, input_size: int):
-    """After a DALI failure: find the bad record -> DataError naming it (None if none found).
-
-    First a full structural check (cheap), then PIL decoding of the records, bounded by
-    ``DIAGNOSE_SECONDS`` so a huge file never turns an error into a long stall.
-    """
+def _find_bad_rec(rec_prefix: str, entries, first_only: bool):
+    """``find_bad`` of a .rec: after a DALI failure, the records to blame, as
+    [(reason, file, key)] - the torch loader's own checks and wording: the full
+    structural check (cheap, now with label values), then reading each record as the
+    torch loader does (labels, PIL decoding), bounded by ``DIAGNOSE_SECONDS`` so a huge
+    file never turns an error into a long stall."""
     import time
 
-    from .torch_loader import decode_image
+    from .torch_loader import RecSource, decode_image, undecodable
 
-    def diagnose(exc):
-        rec_path, _ = rec_paths(rec_prefix)
-        dali_msg = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
-        try:
-            chk = check_rec(rec_prefix, level="full")
-            keys = {k for k, _ in entries}
-            bad = [(k, r) for k, r in chk.bad if k in keys]
-            if bad:
-                return DataError(f"{bad[0][1]}; DALI said: {dali_msg}", rec_path, bad[0][0])
-            r = RecordIOReader(rec_prefix, check_index=False)
-            t0 = time.time()
-            for n, (key, off) in enumerate(entries):
-                if time.time() - t0 > DIAGNOSE_SECONDS:
-                    return DataError(f"DALI failed ({dali_msg}); no bad record among the first "
-                                     f"{n} checked in Python", rec_path)
-                payload = r.read_at(off, key)
-                _, _, image = unpack(payload, rec_path, key)
+    def find_bad(exc, dropped=frozenset()):
+        chk = check_rec(rec_prefix, level="full")
+        keys = {k for k, _ in entries} - set(dropped)
+        found = [(r, chk.rec_path, k) for k, r in chk.bad if k in keys]
+        if found and first_only:
+            return found[:1]
+        blamed = {f[2] for f in found}
+        src = RecSource(rec_prefix, [e for e in entries if e[0] in keys - blamed])
+        t0 = time.time()
+        for i in range(len(src)):
+            if time.time() - t0 > DIAGNOSE_SECONDS:
+                break
+            try:
+                image, _ = src.get(i)
+            except DataError as e:
+                found.append((e.message, e.path, e.record))
+            else:
                 try:
-                    decode_image(image, input_size).load()
-                except Exception as e:
-                    return DataError(f"undecodable image ({type(e).__name__}); DALI said: "
-                                     f"{dali_msg}", rec_path, key)
-        except DataError as e:
-            return e
-        return None
-    return diagnose
+                    decode_image(image, 16).load()
+                except Exception as e:  # PIL/OSError/...: the torch loader's wording
+                    found.append((undecodable(e), *src.name(i)))
+            if found and first_only:
+                break
+        return found
+    return find_bad
 
 
-def _diagnose_wds(index, input_size: int):
-    from .torch_loader import WdsSource, decode_image
+def _find_bad_wds(index, first_only: bool):
+    """``find_bad`` of WebDataset shards (see :func:`_find_bad_rec`)."""
+    from .torch_loader import WdsSource, decode_image, undecodable
 
-    def diagnose(exc):
+    def find_bad(exc, dropped=frozenset()):
         src = WdsSource(index)
+        found = []
         for i in range(len(src)):
             try:
                 data, _ = src.get(i)
-                decode_image(data, input_size).load()
-            except Exception as e:
-                shard, key = src.name(i)
-                return DataError(f"bad sample ({type(e).__name__}: {e}); DALI said: "
-                                 f"{str(exc).splitlines()[0][:200]}", shard, key)
-        return None
-    return diagnose
+            except DataError as e:
+                found.append((e.message, e.path, e.record))
+            else:
+                try:
+                    decode_image(data, 16).load()
+                except Exception as e:
+                    found.append((undecodable(e), *src.name(i)))
+            if found and first_only:
+                break
+        return found
+    return find_bad
 
 
 def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
@@ -219,7 +334,7 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
         raise DataError("no training data given (train_data is empty)")
     S = int(input_size)
     n_threads = max(1, int(workers))
-    pipe_seed = rank + 1467 if seed is None else int(seed) + rank + 1467
+    base_seed = rank + 1467 if seed is None else int(seed) + rank + 1467
     pad_tokens = False
 
     if data_format == "rec":
@@ -234,13 +349,21 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
             if log:
                 log(f"[data] skipping {len(chk.bad)} corrupt record(s) of {chk.num_records} "
                     f"in {rec_path}; first: key {chk.bad[0][0]}: {chk.bad[0][1]}")
-            idx_path = _filtered_index(chk, cache_dir)
+            idx_path = _filtered_index(rec_path, chk.good, cache_dir)
         if not chk.good:
             raise DataError("no usable records", rec_path)
         pad_tokens = 154 in chk.label_counts or chk.checked < chk.num_records
         entries = chk.good
         n_skipped = len(chk.bad)
-        diagnose = _diagnose_rec(data, entries, S)
+        find_bad = _find_bad_rec(data, entries, first_only=not skip_corrupt)
+
+        def index_for(dropped):
+            if not dropped:
+                return idx_path
+            good = [e for e in entries if e[0] not in dropped]
+            if not good:
+                raise DataError("no usable records", rec_path)
+            return _filtered_index(rec_path, good, cache_dir)
     elif data_format == "wds":
         from .wds import check_wds
         index = check_wds(data, skip_corrupt=skip_corrupt)
@@ -256,7 +379,7 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
         paths = [p for p in index.shards if p not in bad_shards]
         pad_tokens = any(s.tok[1] == 154 * 4 for s in index.samples)
         n_skipped = len(index.bad)
-        diagnose = _diagnose_wds(index, S)
+        find_bad = _find_bad_wds(index, first_only=not skip_corrupt)
     else:
         raise ValueError(f"unknown data format {data_format!r} for DALI (rec or wds)")
 
@@ -264,20 +387,22 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
     op_device = "cpu" if cpu else "gpu"
 
     @pipeline_def(batch_size=batch_size, num_threads=n_threads,
-                  device_id=None if cpu else local_rank, prefetch_queue_depth=3,
-                  seed=pipe_seed)
-    def pipeline():
+                  device_id=None if cpu else local_rank, prefetch_queue_depth=3)
+    def pipeline(shard_id: int, index_path: str | None):
+        # One epoch per pipeline: the shard moves on by one each epoch, as DALI's readers
+        # do by themselves without stick_to_shard (same coverage over the epochs).
         if data_format == "rec":
             jpegs, labels = fn.readers.mxnet(
-                path=[rec_path], index_path=[idx_path], initial_fill=16384,
-                num_shards=world_size, shard_id=rank, random_shuffle=train,
-                pad_last_batch=True, name=READER_NAME)
+                path=[rec_path], index_path=[index_path], initial_fill=16384,
+                num_shards=world_size, shard_id=shard_id, random_shuffle=train,
+                stick_to_shard=True, pad_last_batch=True, name=READER_NAME)
         else:
             jpegs, labels = fn.readers.webdataset(
                 paths=paths, ext=["jpg;jpeg;png;webp", "tok"],
                 dtypes=[types.UINT8, types.INT32], missing_component_behavior="error",
-                initial_fill=16384, num_shards=world_size, shard_id=rank,
-                random_shuffle=train, pad_last_batch=True, name=READER_NAME)
+                initial_fill=16384, num_shards=world_size, shard_id=shard_id,
+                random_shuffle=train, stick_to_shard=True, pad_last_batch=True,
+                name=READER_NAME)
         if pad_tokens:
             labels = fn.pad(labels, axes=(0,), shape=(NUM_LABELS,), fill_value=-1)
         gpu_kw = {} if cpu else dict(device_memory_padding=DEVICE_MEMORY_PADDING,
@@ -302,21 +427,19 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
             mirror=mirror)
         return images, labels
 
-    def make_iter():
-        pipe = pipeline()
+    def make_iter(epoch: int, dropped: frozenset):
+        shard = (rank + epoch) % world_size if train else rank
+        pipe = pipeline(shard_id=shard,
+                        index_path=index_for(dropped) if data_format == "rec" else None,
+                        seed=epoch_seed(base_seed, epoch if train else 0))
         pipe.build()
         policy = LastBatchPolicy.FILL if train else LastBatchPolicy.PARTIAL
         return DALIGenericIterator([pipe], ["images", "tokens"], reader_name=READER_NAME,
                                    last_batch_policy=policy, auto_reset=False)
 
-    try:
-        wrapper = DALIWrapper(make_iter, diagnose, pad_tokens)
-    except RuntimeError as e:  # the first batches are prefetched while building
-        err = None if "CUDA" in str(e) else diagnose(e)
-        if err is None:
-            raise
-        raise err from e
-    wrapper.skipped = n_skipped
+    wrapper = DALIWrapper(make_iter, find_bad, pad_tokens, skip_corrupt=skip_corrupt,
+                          can_drop=data_format == "rec", log=log)
+    wrapper.skipped += n_skipped
     return wrapper
 
 

@@ -29,7 +29,11 @@ drop), ``auto`` falls back to torch.
 
 Every returned loader yields ``(images float32 (B, 3, S, S), tokens int64 (B, 231))``
 and has ``len()`` (batches per epoch, equal on all ranks for training), ``reset()``
-(call after each epoch) and ``skipped`` (records skipped so far).
+(call after each epoch), ``set_epoch(E)`` (go to the start of epoch E: a resumed run;
+epoch E's order and augmentation are a function of seed, rank and E, so taking B
+batches then reproduces any position exactly) and ``skipped`` (records skipped so far).
+Every loader applies the same record checks (decodable image, 231/154 labels, labels
+are token ids) and raises the same one-line :class:`DataError` naming file and record.
 """
 
 from __future__ import annotations

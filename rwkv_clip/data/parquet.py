@@ -43,7 +43,7 @@ import torch
 
 from ..errors import DataError
 from .tokens import encode_captions_batch, tokens_from_row
-from .torch_loader import MAX_SKIP_TRIES, image_tensor
+from .torch_loader import MAX_SKIP_TRIES, image_tensor, private_generator
 from .wds import list_shards
 
 IMAGE_COLUMNS = ("jpg", "images", "image", "img")
@@ -557,7 +557,7 @@ class ParquetLoader:
                   prefetch_factor=2) if self.workers else {}
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=None, sampler=_BatchSampler(self),
-            num_workers=self.workers, **mp)
+            num_workers=self.workers, generator=private_generator(seed), **mp)
 
     def __len__(self):
         return len(self.dataset)

@@ -369,6 +369,10 @@ def _check_one(f, rec_size: int, key, off: int, check_image: bool) -> tuple[str 
     img_off = IR_SIZE + 4 * flag
     if cflag == 0 and length < img_off + 4:
         return "record holds no image bytes", flag
+    from .tokens import label_problem  # (tokens imports this module)
+    problem = label_problem(np.frombuffer(payload, dtype="<f4", count=flag, offset=IR_SIZE))
+    if problem:
+        return problem, flag
     if check_image:
         if cflag == 0:
             f.seek(off + 8 + img_off)
@@ -398,7 +402,8 @@ def check_rec(prefix: str, level: str = "full", check_image: bool = True,
     """Validate a ``.rec``/``.idx`` pair without decoding images.
 
     ``level='full'`` inspects every record (two small reads per record: magic, length
-    inside the file, label count 231/154, image signature, JPEG end marker present); ``'quick'`` inspects
+    inside the file, label count 231/154, label values are token ids, image signature,
+    JPEG end marker present); ``'quick'`` inspects
     the first, last and up to ``max_quick`` evenly spaced records; ``'auto'`` is full up
     to ``AUTO_FULL_CHECK_MAX`` records, else quick. File-level problems
     (missing/empty files, malformed index, offsets past the end) always raise

@@ -87,13 +87,21 @@ def normalize_labels(labels, where: str | None = None, record=None) -> np.ndarra
         raise DataError(f"record has {n} labels; expected {NUM_LABELS} (3 captions x "
                         f"{CONTEXT_LENGTH} tokens) or {2 * CONTEXT_LENGTH} (2 captions)",
                         where, record)
+    problem = label_problem(arr)
+    if problem:
+        raise DataError(problem, where, record)
+    return arr.astype(np.int64)
+
+
+def label_problem(arr: np.ndarray) -> str | None:
+    """Why stored label values are not token ids (None if they are): the one check every
+    loader and :func:`~.recordio.check_rec` apply."""
     if arr.dtype.kind == "f":
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
-            raise DataError("labels are not integral token ids", where, record)
-    out = arr.astype(np.int64)
-    if out.min() < 0 or out.max() >= VOCAB_SIZE:
-        raise DataError(f"token ids outside [0, {VOCAB_SIZE})", where, record)
-    return out
+            return "labels are not integral token ids"
+    if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
+        return f"token ids outside [0, {VOCAB_SIZE})"
+    return None
 
 
 def tokens_from_row(row, where: str | None = None, record=None) -> np.ndarray:

@@ -176,6 +176,11 @@ def eval_transform(im: Image.Image, size: int) -> torch.Tensor:
     return _to_tensor(im, CLIP_MEAN, CLIP_STD)
 
 
+def undecodable(exc: BaseException) -> str:
+    """The reason given for an image PIL cannot decode (every loader words it so)."""
+    return f"undecodable image ({type(exc).__name__}: {exc})"
+
+
 def image_tensor(data: bytes, size: int, train: bool, draw: tuple, where: tuple) -> torch.Tensor:
     """Decode and transform one image; the train augmentation draws come from a
     ``random.Random`` seeded by ``draw`` (e.g. (seed, rank, epoch, index)), so they do
@@ -183,7 +188,7 @@ def image_tensor(data: bytes, size: int, train: bool, draw: tuple, where: tuple)
     try:
         im = decode_image(data, 2 * size)
     except Exception as e:  # PIL/OSError/... while decoding
-        raise DataError(f"undecodable image ({type(e).__name__}: {e})", *where) from None
+        raise DataError(undecodable(e), *where) from None
     if train:
         return train_transform(im, size, random.Random(hash(draw) & 0xFFFFFFFF))
     return eval_transform(im, size)
@@ -235,14 +240,26 @@ class ImageTextDataset(torch.utils.data.Dataset):
             try:
                 img, tok = self._load(j)
                 return img, tok, skipped
-            except DataError:
+            except DataError as e:
                 if not self.skip_corrupt or skipped >= min(MAX_SKIP_TRIES, n - 1):
-                    raise
+                    # returned, not raised: raised in a worker it would reach the user as
+                    # a worker traceback; the main process raises it (TorchLoader.__iter__)
+                    return _Failed(e)
                 skipped += 1
                 j = (j + 1) % n
 
 
+class _Failed:
+    """A sample that could not be loaded: its DataError, carried to the main process."""
+
+    def __init__(self, error: DataError):
+        self.error = error
+
+
 def _collate(batch):
+    failed = [b for b in batch if isinstance(b, _Failed)]
+    if failed:
+        return failed[0]
     imgs = torch.stack([b[0] for b in batch])
     toks = torch.stack([b[1] for b in batch]).to(torch.int64)
     return imgs, toks, sum(b[2] for b in batch)
@@ -293,6 +310,17 @@ class ShardSampler(torch.utils.data.Sampler):
         return self.num_batches * self.bs if self.train else len(self.indices())
 
 
+def private_generator(seed: int) -> torch.Generator:
+    """The DataLoader's own generator. Without one, every new DataLoader iterator draws its
+    worker base seed from the global torch RNG - once per epoch, or, with persistent
+    workers, only in the first - so a resumed run (whose first iterator comes after the
+    restored RNG state) drew one number more than the uninterrupted run and its dropout
+    diverged. The augmentation does not use worker seeds (see ImageTextDataset)."""
+    g = torch.Generator()
+    g.manual_seed(int(seed))
+    return g
+
+
 class TorchLoader:
     """Iterable over (images, tokens) batches with ``len()`` and ``reset()``."""
 
@@ -314,7 +342,8 @@ class TorchLoader:
                   prefetch_factor=4) if self.workers else {}
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=batch_size, sampler=self.sampler,
-            num_workers=self.workers, collate_fn=_collate, drop_last=False, **mp)
+            num_workers=self.workers, collate_fn=_collate, drop_last=False,
+            generator=private_generator(seed), **mp)
 
     def __len__(self):
         return self.sampler.num_batches
@@ -323,7 +352,11 @@ class TorchLoader:
         self.dataset.epoch = self.epoch
         self.sampler.set_epoch(self.epoch)
         self.skipped_epoch = 0
-        for imgs, toks, skipped in self._loader:
+        for batch in self._loader:
+            if isinstance(batch, _Failed):
+                self._stop_workers()
+                raise batch.error
+            imgs, toks, skipped = batch
             if skipped:
                 self.skipped += skipped
                 self.skipped_epoch += skipped
@@ -331,6 +364,19 @@ class TorchLoader:
                     self.log(f"skipped {skipped} corrupt record(s) "
                              f"(total {self.skipped})")
             yield imgs, toks
+
+    def _stop_workers(self) -> None:
+        """Shut the worker processes down before an error leaves the loader, so none is
+        left starting up against a main process that is exiting (their noise buried the
+        error)."""
+        it = getattr(self._loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self._loader._iterator = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch`` (a resumed run): its permutation and draws."""
+        self.epoch = int(epoch)
 
     def reset(self):
         """Advance to the next epoch (new permutation and augmentation draws)."""

@@ -4,10 +4,12 @@ Inputs
   * a JSONL file (one object per line) or a CSV file with a header, fields ``image``
     (path, relative paths resolved against the file's folder), ``raw`` (caption;
     ``caption``/``text`` are accepted as aliases), optional ``synthetic`` and
-    ``generated`` (a missing variant repeats ``raw``);
+    ``generated`` (a missing variant repeats ``raw``); text in UTF-8 unless ``encoding``
+    says otherwise (a line that does not decode is a DataError naming ``file:line``);
   * a folder of img2dataset WebDataset shards (``NNNNN.tar`` holding ``key.jpg`` (or
     png/webp/jpeg) + ``key.txt`` and/or ``key.json``; the caption is the ``.txt`` or the
-    json's ``caption``; json keys ``synthetic``/``generated`` are used when present);
+    json's ``caption``; json keys ``synthetic``/``generated`` are used when present), or
+    img2dataset's default ``files`` layout (``00000/000000000.jpg`` + ``.txt`` + ``.json``);
   * parquet shards (a ``.parquet`` file, glob or brace list, or a folder of them):
     img2dataset's parquet output or the Hub's YFCC15M layout, columns as the parquet
     loader picks them (``image_column`` / ``caption_columns`` override; see
@@ -23,8 +25,9 @@ Outputs
 
 Images are stored as JPEG: JPEG input is copied byte for byte unless ``resize`` is set
 or the JPEG is not RGB/greyscale (e.g. CMYK); other formats are re-encoded (quality
-95). Every image is fully decoded once, so undecodable images are skipped here (and
-counted by reason in the returned summary) rather than failing training later.
+95); 16-bit and float images are scaled to 8 bits (:func:`to_8bit`), not clipped.
+Every image is fully decoded once, so undecodable images are skipped here (and counted
+by reason in the returned summary) rather than failing training later.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import json
 import os
 import tarfile
 from collections import Counter
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from PIL import Image
@@ -61,22 +64,38 @@ def _caption_fields(obj: dict) -> tuple:
     return raw, obj.get("synthetic") or None, obj.get("generated") or None
 
 
-def iter_pairs_file(path: str) -> Iterator[dict]:
-    """Yield samples from a JSONL or CSV file of pairs."""
+def _text_lines(f, path: str, encoding: str) -> Iterator[str]:
+    """Decode a binary file line by line, so a bad byte is reported with its line."""
+    for lineno, raw in enumerate(f, 1):
+        try:
+            yield raw.decode(encoding)
+        except UnicodeDecodeError as e:
+            raise DataError(f"line {lineno} is not valid {encoding} text ({e.reason} at byte "
+                            f"{e.start} of the line); give the file's encoding with --encoding",
+                            f"{path}:{lineno}") from None
+
+
+def iter_pairs_file(path: str, encoding: str = "utf-8") -> Iterator[dict]:
+    """Yield samples from a JSONL or CSV file of pairs (text in ``encoding``)."""
     if not os.path.isfile(path):
         raise DataError("input file not found", path)
+    try:
+        "".encode(encoding)
+    except LookupError:
+        raise DataError(f"unknown text encoding {encoding!r}", path) from None
     base = os.path.dirname(os.path.abspath(path))
     is_csv = path.lower().endswith((".csv", ".tsv"))
-    with open(path, newline="" if is_csv else None, encoding="utf-8") as f:
+    with open(path, "rb") as f:
+        lines = _text_lines(f, path, encoding)
         if is_csv:
             delim = "\t" if path.lower().endswith(".tsv") else ","
-            rows = csv.DictReader(f, delimiter=delim)
+            rows = csv.DictReader(lines, delimiter=delim)
             if rows.fieldnames is None or "image" not in rows.fieldnames:
                 raise DataError("CSV input needs a header with an 'image' column", path)
-            source = ((i + 2, r) for i, r in enumerate(rows))
+            source = ((rows.line_num, r) for r in rows)
         else:
             def _jsonl():
-                for lineno, line in enumerate(f, 1):
+                for lineno, line in enumerate(lines, 1):
                     if not line.strip():
                         continue
                     try:
@@ -99,13 +118,78 @@ def iter_pairs_file(path: str) -> Iterator[dict]:
                    "synthetic": syn, "generated": gen}
 
 
+def _group_sample(name: str, g: dict) -> dict:
+    """One img2dataset sample from its files by extension (image, txt, json)."""
+    img_ext = next((e for e in IMAGE_EXTS if e in g), None)
+    meta = {}
+    if "json" in g:
+        try:
+            meta = json.loads(g["json"].decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            meta = {}
+        if not isinstance(meta, dict):
+            meta = {}
+    raw = g["txt"].decode("utf-8", "replace").strip() if "txt" in g else None
+    if not raw:
+        raw = meta.get("caption") or meta.get("raw")
+    if img_ext is None:
+        return {"name": name, "error": "no image file"}
+    if meta.get("status") not in (None, "success"):
+        return {"name": name, "error": f"img2dataset status {meta.get('status')}"}
+    return {"name": name, "image_bytes": g[img_ext], "raw": raw,
+            "synthetic": meta.get("synthetic") or None,
+            "generated": meta.get("generated") or None}
+
+
+def _split_name(fname: str) -> tuple[str, str] | None:
+    stem, dot, ext = fname.rpartition(".")
+    ext = ext.lower()
+    if not dot or not stem or ext not in IMAGE_EXTS + ("txt", "json"):
+        return None
+    return stem, ext
+
+
+def files_layout_dirs(folder: str) -> list[str]:
+    """The sub-folders of an img2dataset ``files`` output (``00000/000000000.jpg`` +
+    ``.txt`` + ``.json``) that hold images, sorted; [] when it is not that layout."""
+    out = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.is_dir() and any(_split_name(n) and _split_name(n)[1] in IMAGE_EXTS
+                                  for n in os.listdir(entry.path)):
+            out.append(entry.path)
+    return out
+
+
+def iter_img2dataset_files(folder: str) -> Iterator[dict]:
+    """Yield samples from img2dataset's ``files`` output layout (see files_layout_dirs)."""
+    for d in files_layout_dirs(folder):
+        groups: dict[str, dict] = {}
+        for fname in sorted(os.listdir(d)):
+            split = _split_name(fname)
+            if split is None:
+                continue
+            try:
+                with open(os.path.join(d, fname), "rb") as f:
+                    groups.setdefault(split[0], {})[split[1]] = f.read()
+            except OSError as e:
+                yield {"name": f"{os.path.basename(d)}/{fname}",
+                       "error": f"unreadable file ({e.strerror})"}
+        for key, g in groups.items():
+            yield _group_sample(f"{os.path.basename(d)}/{key}", g)
+
+
 def iter_img2dataset(folder: str) -> Iterator[dict]:
-    """Yield samples from the ``*.tar`` shards of an img2dataset output folder."""
+    """Yield samples from an img2dataset output folder: its ``*.tar`` shards, or its
+    ``files`` layout when it has no shards."""
     if not os.path.isdir(folder):
         raise DataError("input folder not found", folder)
     tars = sorted(p for p in os.listdir(folder) if p.endswith(".tar"))
     if not tars:
-        raise DataError("no .tar shards in folder", folder)
+        if files_layout_dirs(folder):
+            yield from iter_img2dataset_files(folder)
+            return
+        raise DataError("no .tar shards and no img2dataset 'files' sub-folders "
+                        "(00000/000000000.jpg + .txt) in folder", folder)
     for t in tars:
         path = os.path.join(folder, t)
         try:
@@ -115,7 +199,6 @@ def iter_img2dataset(folder: str) -> Iterator[dict]:
             continue
         with tf:
             groups: dict[str, dict] = {}
-            order = []
             try:
                 for m in tf:
                     split = sample_key(m)
@@ -124,54 +207,32 @@ def iter_img2dataset(folder: str) -> Iterator[dict]:
                     key, ext = split
                     if ext not in IMAGE_EXTS + ("txt", "json"):
                         continue
-                    if key not in groups:
-                        groups[key] = {}
-                        order.append(key)
-                    groups[key][ext] = tf.extractfile(m).read()
+                    groups.setdefault(key, {})[ext] = tf.extractfile(m).read()
             except (tarfile.TarError, OSError) as e:
                 yield {"name": t, "error": f"truncated or corrupt shard: {e}"}
-            for key in order:
-                g = groups[key]
-                name = f"{t}:{key}"
-                img_ext = next((e for e in IMAGE_EXTS if e in g), None)
-                meta = {}
-                if "json" in g:
-                    try:
-                        meta = json.loads(g["json"].decode("utf-8"))
-                    except (UnicodeDecodeError, json.JSONDecodeError):
-                        meta = {}
-                raw = g["txt"].decode("utf-8", "replace").strip() if "txt" in g else None
-                if not raw:
-                    raw = meta.get("caption") or meta.get("raw")
-                if img_ext is None:
-                    yield {"name": name, "error": "no image file"}
-                    continue
-                if meta.get("status") not in (None, "success"):
-                    yield {"name": name, "error": f"img2dataset status {meta.get('status')}"}
-                    continue
-                yield {"name": name, "image_bytes": g[img_ext], "raw": raw,
-                       "synthetic": meta.get("synthetic") or None,
-                       "generated": meta.get("generated") or None}
+            for key, g in groups.items():
+                yield _group_sample(f"{t}:{key}", g)
 
 
 def is_parquet_input(path: str) -> bool:
     """A ``.parquet`` file / glob / brace list, or a folder holding parquet (no .tar)."""
-    if os.path.isdir(path):
+    if os.path.isdir(path):  # img2dataset writes .parquet metadata beside tar / files output
         names = os.listdir(path)
         return (any(n.endswith(".parquet") for n in names)
-                and not any(n.endswith(".tar") for n in names))
+                and not any(n.endswith(".tar") for n in names)
+                and not files_layout_dirs(path))
     return ".parquet" in path
 
 
 def iter_input(path: str, image_column: str | None = None,
-               caption_columns=None) -> Iterator[dict]:
+               caption_columns=None, encoding: str = "utf-8") -> Iterator[dict]:
     """Dispatch on the input kind (JSONL/CSV file, img2dataset folder, parquet)."""
     if is_parquet_input(path):
         from .parquet import iter_parquet_samples
         return iter_parquet_samples(path, image_column, caption_columns)
     if os.path.isdir(path):
         return iter_img2dataset(path)
-    return iter_pairs_file(path)
+    return iter_pairs_file(path, encoding)
 
 
 # ----------------------------------------------------------------------------- images
@@ -189,7 +250,9 @@ def prepare_image(data: bytes, resize: int | None = None) -> bytes:
     if fmt == "JPEG" and im.mode in ("RGB", "L") and not resize:
         return data
     if im.mode != "RGB":
-        if im.mode in ("RGBA", "LA", "P"):
+        if im.mode.startswith(("I", "F")):  # 16-bit / 32-bit integer or float pixels
+            im = to_8bit(im)
+        if im.mode in ("RGBA", "LA", "P", "PA"):
             im = im.convert("RGBA")
             bg = Image.new("RGB", im.size, (255, 255, 255))
             bg.paste(im, mask=im.split()[-1])
@@ -204,6 +267,29 @@ def prepare_image(data: bytes, resize: int | None = None) -> bytes:
     buf = io.BytesIO()
     im.save(buf, format="JPEG", quality=JPEG_QUALITY)
     return buf.getvalue()
+
+
+def to_8bit(im: Image.Image) -> Image.Image:
+    """A high-bit-depth single-channel image (mode I;16*, I or F) -> mode L.
+
+    ``convert('L'/'RGB')`` clips such values at 255, which turns a 16-bit image almost
+    white. Integer images are scaled from their type's range (I;16: 0-65535; I, which
+    Pillow also uses for 16-bit PNGs: 0-65535 when the values fit, else their own
+    min-max); float images from [0, 1] when the values lie there, from [0, 255] when
+    they lie there, else from their own min-max. Non-finite values become 0.
+    """
+    a = np.asarray(im).astype(np.float64)
+    a[~np.isfinite(a)] = 0.0
+    lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+    if im.mode.startswith("I;16") or (im.mode == "I" and lo >= 0 and hi <= 65535):
+        lo, hi = 0.0, 65535.0
+    elif im.mode == "F" and lo >= 0 and hi <= 1:
+        lo, hi = 0.0, 1.0
+    elif im.mode == "F" and lo >= 0 and hi <= 255:
+        lo, hi = 0.0, 255.0
+    scale = 255.0 / (hi - lo) if hi > lo else 0.0
+    out = np.clip(np.rint((a - lo) * scale), 0, 255).astype(np.uint8)
+    return Image.fromarray(out, mode="L")
 
 
 def _load_bytes(sample: dict) -> bytes:
@@ -271,6 +357,7 @@ def _progress(it, total=None, desc="", enabled=True):
 def write_rec(samples: Iterable[dict], prefix: str, resize: int | None = None,
               progress: bool = False, total: int | None = None) -> dict:
     """Write samples to ``PREFIX.rec``/``PREFIX.idx``; return a summary dict."""
+    check_positive(resize, "resize")
     summary: Counter = Counter()
     examples: list = []
     writer = RecordIOWriter(prefix + ".rec", prefix + ".idx")
@@ -302,6 +389,8 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
               resize: int | None = None, progress: bool = False,
               total: int | None = None) -> dict:
     """Write WebDataset shards ``PREFIX-%06d.tar`` (jpg, tok, txt, json per sample)."""
+    check_positive(shard_size, "shard_size")
+    check_positive(resize, "resize")
     os.makedirs(os.path.dirname(os.path.abspath(prefix)) or ".", exist_ok=True)
     summary: Counter = Counter()
     examples: list = []
@@ -343,11 +432,22 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
             "examples": examples, "outputs": shards}
 
 
+def check_positive(value, name: str) -> None:
+    """``resize`` / ``shard_size`` must be whole numbers >= 1 (a non-positive resize made
+    every image 1x1; a zero shard size divided by zero)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise DataError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
 def convert(input_path: str, output_prefix: str, fmt: str = "rec", resize: int | None = None,
             shard_size: int = 1000, progress: bool = True, image_column: str | None = None,
-            caption_columns=None) -> dict:
-    """One call from pairs file / img2dataset folder / parquet to rec or wds output."""
-    samples = iter_input(input_path, image_column, caption_columns)
+            caption_columns=None, encoding: str = "utf-8") -> dict:
+    """One call from pairs file / img2dataset folder / parquet to rec or wds output
+    (``encoding``: of a JSONL/CSV pairs file)."""
+    check_positive(resize, "resize")
+    check_positive(shard_size, "shard_size")
+    samples = iter_input(input_path, image_column, caption_columns, encoding)
     total = None
     if is_parquet_input(input_path):
         from .parquet import count_parquet_rows
@@ -365,5 +465,6 @@ def convert(input_path: str, output_prefix: str, fmt: str = "rec", resize: int |
     raise ValueError(f"unknown format {fmt!r} (rec or wds)")
 
 
-__all__ = ["convert", "write_rec", "write_wds", "iter_input", "iter_pairs_file", "is_parquet_input",
-           "iter_img2dataset", "prepare_image", "SkipSample", "tokens_to_bytes", "NUM_LABELS"]
+__all__ = ["convert", "write_rec", "write_wds", "iter_input", "iter_pairs_file",
+           "is_parquet_input", "iter_img2dataset", "iter_img2dataset_files", "prepare_image",
+           "to_8bit", "SkipSample", "tokens_to_bytes", "NUM_LABELS"]

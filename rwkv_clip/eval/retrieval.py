@@ -3,7 +3,8 @@
 Accepted annotation files:
 
 * JSONL, one object per line: ``{"image": "relative/or/absolute.jpg", "captions": [...]}``
-  (``"caption"`` as a string or list is accepted too);
+  (``"caption"`` as a string or list is accepted too, and make_rec's pair format
+  ``{"image", "raw"}``; lines naming the same image are one image with all their captions);
 * the Karpathy-split test files the original reads (ALBEF/BLIP ``coco_karpathy_test.json``,
   ``flickr30k_test.json``): a JSON list of ``{"image": ..., "caption": [...]}``;
 * Karpathy's own ``dataset_coco.json`` / ``dataset_flickr30k.json``
@@ -103,14 +104,27 @@ def _records_from_file(path: Path) -> list[tuple[str, list[str]]]:
 
 
 def _record(obj, where: str) -> tuple[str, list[str]]:
+    """One annotation: ``captions`` (list or string) or ``caption``, else make_rec's pair
+    format (``raw``, or its aliases ``caption``/``text``; ``synthetic``/``generated`` are
+    training variants, not reference captions, and are not used)."""
     if not isinstance(obj, dict) or "image" not in obj:
-        raise EvalError(f"{where}: expected an object with 'image' and 'captions'")
-    caps = obj.get("captions", obj.get("caption"))
+        raise EvalError(f"{where}: expected an object with 'image' and 'captions' (or 'raw')")
+    caps = obj.get("captions", obj.get("caption", obj.get("raw", obj.get("text"))))
     if isinstance(caps, str):
         caps = [caps]
     if not isinstance(caps, list) or not caps or not all(isinstance(c, str) for c in caps):
-        raise EvalError(f"{where}: 'captions' must be a non-empty list of strings")
+        raise EvalError(f"{where}: 'captions' must be a non-empty list of strings (or 'raw' "
+                        "a caption string)")
     return str(obj["image"]), caps
+
+
+def _merge_by_image(records: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """One record per image (first-seen order): make_rec's pairs list an image once per
+    caption, and one image counted twice would make its captions' recall ambiguous."""
+    merged: dict[str, list[str]] = {}
+    for image, caps in records:
+        merged.setdefault(image, []).extend(caps)
+    return list(merged.items())
 
 
 def _resolve_image(rel: str, roots: Sequence[Path]) -> str | None:
@@ -134,7 +148,7 @@ def load_retrieval_file(path: str | os.PathLike, image_root: str | os.PathLike |
         raise DatasetNotFoundError(f"retrieval file {path} does not exist")
     root = Path(image_root) if image_root is not None else path.parent
     roots = [root / d for d in image_dirs]
-    records = _records_from_file(path)
+    records = _merge_by_image(_records_from_file(path))
     if not records:
         raise EvalError(f"{path}: no records")
     images, captions, t2i = [], [], []
