@@ -37,9 +37,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rwkv_clip.data import build_train_loader, dali_available  # noqa: E402
-from rwkv_clip.data.writers import write_rec  # noqa: E402
-from rwkv_clip.errors import TrainingError, run_cli  # noqa: E402
+from rwkv_clip.data import build_train_loader, dali_available
+from rwkv_clip.data.writers import write_rec
+from rwkv_clip.errors import TrainingError, run_cli
 
 LOADERS = ("dali_cpu", "dali_gpu", "torch", "parquet")
 

@@ -30,15 +30,15 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # fla_anchor.py beside this file
 
-import torch  # noqa: E402
+import torch
 
-from rwkv_clip.ops import wkv6_bidirectional, wkv6_bidirectional_reference  # noqa: E402
+from rwkv_clip.ops import wkv6_bidirectional, wkv6_bidirectional_reference
 
 GPU_SHAPES = [(256, 49, 8, 80), (256, 77, 10, 64), (256, 196, 8, 80)]
 CPU_SHAPES = [(16, 77, 10, 64), (16, 49, 8, 80), (4, 196, 8, 80)]
@@ -90,7 +90,8 @@ def check(fn, inputs, gy, rows):
     y = fn(*test_in)
     g = torch.autograd.grad(y, test_in, gsub.to(y.dtype), allow_unused=True)
     errs = {}
-    for name, a, b in zip(["y", "r", "k", "v", "w", "u"], [y.detach()] + list(g), [y_ref.detach()] + list(g_ref)):
+    ours, refs = [y.detach(), *g], [y_ref.detach(), *g_ref]
+    for name, a, b in zip(["y", "r", "k", "v", "w", "u"], ours, refs, strict=True):
         b = torch.zeros_like(ref_in[0] if name != "u" else ref_in[4]) if b is None else b
         a = torch.zeros_like(b) if a is None else a.detach().double().cpu()
         errs[name] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
@@ -171,7 +172,7 @@ def main(argv=None):
 
     result = {
         "benchmark": "wkv6_bidirectional",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -203,7 +204,7 @@ def main(argv=None):
                 ok = False
             entry["backends"][name] = rec
         base = entry["backends"].get(baseline, {})
-        for name, rec in entry["backends"].items():
+        for rec in entry["backends"].values():
             for key in ("fwd_ms", "fwd_bwd_ms"):
                 if key in rec and key in base and rec[key] > 0:
                     rec[f"speedup_{key[:-3]}_vs_{baseline}"] = round(base[key] / rec[key], 2)

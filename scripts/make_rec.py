@@ -21,8 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rwkv_clip.data import convert  # noqa: E402
-from rwkv_clip.errors import run_cli  # noqa: E402
+from rwkv_clip.data import convert
+from rwkv_clip.errors import run_cli
 
 
 def positive_int(text: str) -> int:

@@ -8,13 +8,18 @@ import tarfile
 from types import SimpleNamespace as NS
 
 import pytest
+from test_data_common import check_batch_pairs, dali_or_skip, make_samples, token_map
 
-from rwkv_clip.data import (DataError, RecordIOReader, RecordIOWriter, build_train_loader,
-                            check_rec, dali_available)
+from rwkv_clip.data import (
+    DataError,
+    RecordIOReader,
+    RecordIOWriter,
+    build_train_loader,
+    check_rec,
+    dali_available,
+)
 from rwkv_clip.data.wds import check_wds
 from rwkv_clip.data.writers import write_rec, write_wds
-
-from test_data_common import check_batch_pairs, dali_or_skip, make_samples, token_map
 
 N = 12
 LOADERS = ["dali", "torch"]

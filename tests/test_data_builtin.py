@@ -52,7 +52,7 @@ def test_train_and_val_records(ds):
         chk = check_rec(prefix)
         assert chk.num_records == n and not chk.bad and chk.label_counts == {231}
     r = RecordIOReader(ds.train_prefix)
-    pat = re.compile(r"^an? (%s) (%s)$" % ("|".join(COLORS), "|".join(SHAPES)))
+    pat = re.compile(r"^an? ({}) ({})$".format("|".join(COLORS), "|".join(SHAPES)))
     styles = set()
     for i in range(len(r)):
         _, _, lab, img = r.read_item(i)
@@ -82,7 +82,7 @@ def test_zeroshot_split(ds):
     assert [n.replace(" ", "_") for n in names] == folders   # ImageFolder order
     assert templates and all("{}" in t for t in templates)
     total = 0
-    for n, f in zip(names, folders):
+    for n, f in zip(names, folders, strict=False):
         files = sorted(os.listdir(os.path.join(zs, f)))
         assert len(files) == 2
         total += len(files)

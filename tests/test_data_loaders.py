@@ -6,12 +6,11 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 import torch
+from test_data_common import check_batch_pairs, dali_or_skip, make_samples, solid_image, token_map
 
 from rwkv_clip.data import RecordIOWriter, build_eval_loader, build_train_loader
 from rwkv_clip.data.tokens import encode_captions_batch, labels_for_rec
 from rwkv_clip.data.writers import write_rec, write_wds
-
-from test_data_common import check_batch_pairs, dali_or_skip, make_samples, solid_image, token_map
 
 N = 37
 LOADERS = ["dali", "torch"]
@@ -50,7 +49,7 @@ def test_train_loader_pairs_and_coverage(data, kind, fmt):
     dali_or_skip(kind)
     L = build_train_loader(_args(data[fmt], fmt, kind, workers=2), log=None)
     assert len(L) == 5  # ceil(37 / 8), full batches
-    for epoch in range(2):
+    for _epoch in range(2):
         ids = _epoch(L, data["tmap"])
         assert len(ids) == 40 and set(ids) == set(range(N))
         L.reset()
@@ -86,8 +85,9 @@ def test_augmentation_varies_and_is_seeded(tmp_path, kind):
     """A non-uniform image: crops/flips differ between epochs; same seed -> same batches
     (torch); both produce CLIP-normalised statistics."""
     dali_or_skip(kind)
-    from PIL import Image
     import io
+
+    from PIL import Image
     rng = np.random.default_rng(0)
     arr = rng.integers(0, 256, (60, 80, 3), dtype=np.uint8)
     arr[:, :40] = 255
@@ -148,7 +148,7 @@ def test_torch_loader_workers_match_single_process(data):
     a2 = _args(data["rec"], "rec", "torch", workers=2)
     b0 = [x for x, _ in build_train_loader(a0, log=None)]
     b2 = [x for x, _ in build_train_loader(a2, log=None)]
-    assert all(torch.equal(x, y) for x, y in zip(b0, b2))
+    assert all(torch.equal(x, y) for x, y in zip(b0, b2, strict=False))
 
 
 def test_auto_picks_dali_cpu_when_installed(data):
@@ -159,7 +159,8 @@ def test_auto_picks_dali_cpu_when_installed(data):
 
 def test_original_dali_entry_point(data, monkeypatch):
     pytest.importorskip("nvidia.dali")
-    import importlib.util, os
+    import importlib.util
+    import os
     spec = importlib.util.spec_from_file_location(
         "dali_top", os.path.join(os.path.dirname(os.path.dirname(__file__)), "dali.py"))
     mod = importlib.util.module_from_spec(spec)

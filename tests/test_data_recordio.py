@@ -3,9 +3,18 @@ import struct
 import numpy as np
 import pytest
 
-from rwkv_clip.data.recordio import (MAGIC, DataError, IRHeader, RecordIOReader,
-                                     RecordIOWriter, encode_record, pack, read_index,
-                                     scan_records, unpack)
+from rwkv_clip.data.recordio import (
+    MAGIC,
+    DataError,
+    IRHeader,
+    RecordIOReader,
+    RecordIOWriter,
+    encode_record,
+    pack,
+    read_index,
+    scan_records,
+    unpack,
+)
 
 M = struct.pack("<I", MAGIC)
 
@@ -56,7 +65,7 @@ def _payloads():
     out = [b"", b"a", b"abcd", M, M * 3, b"xy" + M + b"zz" + M, bytes(rng.integers(0, 256, 1001,
                                                                                     dtype=np.uint8))]
     # random payloads with the magic planted at aligned and unaligned places
-    for k in range(20):
+    for _k in range(20):
         b = bytearray(rng.integers(0, 256, int(rng.integers(8, 300)), dtype=np.uint8).tobytes())
         for _ in range(3):
             pos = int(rng.integers(0, len(b) - 4))
@@ -101,7 +110,7 @@ def test_writer_aborts_on_exception(tmp_path):
     with pytest.raises(ZeroDivisionError):
         with RecordIOWriter(str(tmp_path / "a.rec"), str(tmp_path / "a.idx")) as w:
             w.write(0, b"abc")
-            1 / 0
+            raise ZeroDivisionError  # an error inside the with block
     assert not list(tmp_path.iterdir())
 
 

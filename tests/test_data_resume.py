@@ -7,11 +7,10 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from test_data_common import dali_or_skip, make_samples
 
 from rwkv_clip.data import build_train_loader
 from rwkv_clip.data.writers import write_rec
-
-from test_data_common import dali_or_skip, make_samples
 
 N = 20
 LOADERS = ["dali", "torch"]
@@ -108,9 +107,10 @@ def test_training_resumed_at_epoch_boundary_and_mid_epoch_is_exact(tmp_path, kin
     ``epoch_1.pt`` and from a step inside epoch 1, the run ends with the weights of the
     uninterrupted run (with DALI it diverged from the epoch checkpoint)."""
     dali_or_skip(kind)
-    from rwkv_clip.train import main, parse_args
-    from rwkv_clip.train import checkpoint as ckpt_io
     from train_util import make_tiny_rec, tiny_argv
+
+    from rwkv_clip.train import checkpoint as ckpt_io
+    from rwkv_clip.train import main, parse_args
 
     data = make_tiny_rec(tmp_path / "data", n=24)
     extra = ["--epochs", "3", "--batch-size", "8", "--dropout", "0.1", "--seed", "5",

@@ -8,12 +8,11 @@ import tarfile
 import numpy as np
 import pytest
 from PIL import Image
+from test_data_common import colour_of, solid_image, write_jsonl
 
 from rwkv_clip.data import DataError, RecordIOReader, convert, encode_captions
 from rwkv_clip.data.tokens import decode_tokens, normalize_labels
 from rwkv_clip.data.writers import write_rec, write_wds
-
-from test_data_common import colour_of, solid_image, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,14 +18,20 @@ Importing this package has no side effects (DALI, open_clip and torch data worke
 are imported or started only when used).
 """
 
-from .recordio import (DataError, IRHeader, RecordIOReader, RecordIOWriter, check_rec,
-                       pack, unpack)
-from .tokens import (CONTEXT_LENGTH, NUM_LABELS, CaptionTokens, decode_tokens,
-                     encode_captions, encode_captions_batch, normalize_labels)
-from .writers import convert, write_rec, write_wds
 from .builtin import BuiltinDataset, ensure_builtin_dataset
-from .loader import build_eval_loader, build_train_loader
 from .dali_pipeline import dali_available, dali_dataloader
+from .loader import build_eval_loader, build_train_loader
+from .recordio import DataError, IRHeader, RecordIOReader, RecordIOWriter, check_rec, pack, unpack
+from .tokens import (
+                       CONTEXT_LENGTH,
+                       NUM_LABELS,
+                       CaptionTokens,
+                       decode_tokens,
+                       encode_captions,
+                       encode_captions_batch,
+                       normalize_labels,
+)
+from .writers import convert, write_rec, write_wds
 
 __all__ = [
     "DataError", "IRHeader", "RecordIOReader", "RecordIOWriter", "check_rec", "pack", "unpack",

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
+
 from ..errors import DataError
 
 MAGIC = 0xCED7230A
@@ -180,7 +181,7 @@ def read_index(idx_path: str, rec_size: int | None = None) -> list[tuple[int, in
         raise DataError("index file not found", idx_path)
     entries = []
     seen = set()
-    with open(idx_path, "r") as f:
+    with open(idx_path) as f:
         for lineno, line in enumerate(f, 1):
             s = line.strip()
             if not s:

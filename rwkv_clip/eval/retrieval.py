@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -88,7 +88,7 @@ def _records_from_file(path: Path) -> list[tuple[str, list[str]]]:
     except json.JSONDecodeError as exc:
         raise EvalError(f"{path}: not valid JSON ({exc})") from None
     if isinstance(data, dict) and isinstance(data.get("images"), list):  # Karpathy's format
-        for i, img in enumerate(data["images"]):
+        for _i, img in enumerate(data["images"]):
             if img.get("split") != "test":
                 continue
             rel = os.path.join(img.get("filepath", ""), img["filename"])
