@@ -15,8 +15,15 @@ from torch import nn
 
 from .config import ModelArgs, complete_args
 from .layers import bidirectional_shift_multihead
-from .layers.time_mix import (TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM, TimeMixBase,
-                              fancy_bonus_init, fancy_decay_init, fancy_time_mix_init)
+from .layers.time_mix import (
+    TIME_DECAY_EXTRA_DIM,
+    TIME_MIX_EXTRA_DIM,
+    TimeMixBase,
+    fancy_bonus_init,
+    fancy_decay_init,
+    fancy_time_mix_init,
+    glue_dtype,
+)
 
 
 class RWKV_Tmix_V6(TimeMixBase):
@@ -73,10 +80,12 @@ class RWKV_CMix_V6(nn.Module):
         self.value = nn.Linear(args.dim_ffn, args.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Opposite convention to the image tower: time_maa_* weights the neighbour.
-        xx = bidirectional_shift_multihead(x, 1, self.args.head_size) - x
-        xk = x + xx * self.time_maa_k
-        xr = x + xx * self.time_maa_r
+        # Opposite convention to the image tower: time_maa_* weights the neighbour,
+        # x + (shift(x) - x) * m, both in one lerp (in the autocast dtype under autocast).
+        x = x.to(glue_dtype(x))
+        shifted = bidirectional_shift_multihead(x, 1, self.args.head_size)
+        mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(x.dtype)
+        xk, xr = torch.lerp(x, shifted, mix).unbind(0)
         k = torch.relu(self.key(xk)) ** 2
         return torch.sigmoid(self.receptance(xr)) * self.value(k)
 
@@ -161,7 +170,7 @@ def _keeps_constructed_value(name: str, tensor: torch.Tensor) -> bool:
             or "_mask" in name or "pos_emb" in name or ".mask." in name)
 
 
-def text_initialization(model: "Text_RWKV", generator: torch.Generator | None = None) -> dict:
+def text_initialization(model: Text_RWKV, generator: torch.Generator | None = None) -> dict:
     """The original's ``generate_init_weight_V6``, runnable on CPU.
 
     Orthogonal init (gain sqrt(rows/cols) for tall matrices, times a per-name scale),

@@ -7,6 +7,14 @@ ClipLoss, backward, clip grad norm 1.0, AdamW). Prints ONE JSON object.
 
     python scripts/bench_train.py                       # CPU: small config, batch 32, fp32
     python scripts/bench_train.py --checkpointing       # on GPU: B/32, batch 256, bf16
+    python scripts/bench_train.py --versus              # CPU: B/32 beside open_clip ViT-B-32
+    python scripts/bench_train.py --versus --repeats 6 --modes eager
+
+``--versus [MODEL]`` runs a different benchmark: RWKV-CLIP (``--versus-config``, default
+B/32) and open_clip's MODEL (default ViT-B-32, randomly initialised), interleaved in this
+process, training steps at ``--batch-sizes`` (default 4,16), fp32 and bf16 autocast,
+eager and torch.compile'd, pairs/s and ratios as one JSON object; see
+rwkv_clip.benchmark. The flags above do not apply to it.
 
 Two phases: ``--steps`` timed steps as they run in training (samples/s), then
 ``--wkv-steps`` steps in which every WKV call is timed, forward and backward, with
@@ -30,9 +38,17 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import rwkv_clip.layers.time_mix as time_mix  # noqa: E402
-from rwkv_clip.memory import (PeakRSS, build_model, make_step, rss_kib,  # noqa: E402
-                              synthetic_batch, training_peak)
+import rwkv_clip.layers.time_mix as time_mix
+from rwkv_clip.benchmark import add_versus_flags, run_versus
+from rwkv_clip.errors import run_cli
+from rwkv_clip.memory import (
+    PeakRSS,
+    build_model,
+    make_step,
+    rss_kib,
+    synthetic_batch,
+    training_peak,
+)
 
 
 class WKVTimer:
@@ -116,7 +132,11 @@ def main(argv=None) -> int:
                     help="torch.compile the model (warm-up steps include the compilation)")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend (aot_eager: trace only, no code generation)")
+    add_versus_flags(ap, default_batches="4,16", versus_default=None,
+                     default_config=str(REPO / "model_config" / "RWKV_CLIP_B32.json"))
     ns = ap.parse_args(argv)
+    if ns.versus is not None:
+        return run_versus(ns, tasks=("train",))
     gpu = ns.device == "cuda"
     config = ns.config or str(REPO / "model_config" /
                               ("RWKV_CLIP_B32.json" if gpu else "RWKV_CLIP_small.json"))
@@ -225,4 +245,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -215,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(g, "--tensorboard", True, "write TensorBoard scalars to OUTPUT/tensorboard")
     _bool_flag(g, "--progress", True, "tqdm progress bar on rank 0")
     add_run_safety_flags(p)
+
+    g = p.add_argument_group("compilation (open_clip's flag)")
+    g.add_argument("--torchcompile", action="store_true", default=False,
+                   help="torch.compile the model (after DDP) before training; checkpoints "
+                        "hold the plain module's weights")
     return p
 
 

@@ -80,13 +80,25 @@ def restore_rng_states(states: dict[str, Any], device: torch.device | None = Non
         torch.cuda.set_rng_state(states["cuda"].cpu(), device)
 
 
+def unwrap_module(model):
+    """The plain model under torch.compile's and DDP's wrappers, in any order, so that
+    checkpoint keys never carry ``_orig_mod.`` or ``module.``."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
 def build_checkpoint(model, optimizer, scaler, *, step: int, epoch: int, batch_in_epoch: int,
                      args, rng: list[dict[str, Any]], total_steps: int) -> dict[str, Any]:
     """``rng``: every rank's :func:`rng_states`, in rank order."""
     args_dict = vars(args) if not isinstance(args, dict) else args
     return {
         "format_version": FORMAT_VERSION,
-        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "state_dict": {k: v.detach().cpu() for k, v in unwrap_module(model).state_dict().items()},
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "step": int(step),

@@ -179,6 +179,8 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
             bucket_cap_mb=32, find_unused_parameters=False)
+    if args.torchcompile:  # the step runs compiled; checkpoints keep saving plain `model`
+        ddp_model = torch.compile(ddp_model)
     save = functools.partial(save_checkpoint, model=model, optimizer=optimizer, scaler=scaler,
                              args=args, info=info, log=log, total_steps=data.total_steps)
     logs = Logs(args, info, log, state.step, data.total_steps, data.steps_per_epoch)

@@ -1,0 +1,298 @@
+"""RWKV-CLIP beside open_clip's ViT-B-32 in one process: interleaved throughput.
+
+Both models are timed in the same process on the same synthetic batch, one repeat of
+ours, then one of theirs, then theirs, then ours (ABBA), so that a change of load on a
+shared machine hits both sides alike: absolute pairs/s are noisy there, the ratios are
+what the interleaving makes meaningful. Each ratio is the median over repeats of the
+paired ratio (our time over theirs, inverted), next to each side's median pairs/s.
+
+The training step is :func:`rwkv_clip.train.accumulation.train_step` for both models
+(forward both towers under the precision's autocast, L2-normalise, ClipLoss, backward,
+clip grad norm, AdamW from the trainer's defaults); inference is ``model(images, tokens)``
+(encode_image + encode_text) under ``torch.no_grad()``. "compiled" wraps the model with
+``torch.compile(dynamic=False)``; its first calls (compilation) are the warm-up, timed
+separately as ``warmup_s``. Used by ``scripts/bench_train.py --versus`` and
+``scripts/bench_infer.py``.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+OPEN_CLIP_DEFAULT = "ViT-B-32"
+MODES = ("eager", "compiled")
+PRECISIONS = ("fp32", "bf16")
+
+
+def build_open_clip(name: str = OPEN_CLIP_DEFAULT, seed: int = 0) -> nn.Module:
+    """open_clip's model ``name``, randomly initialised (pretrained=None: nothing is
+    downloaded; the Hub is put offline for the call)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import open_clip
+    except ImportError as exc:
+        raise ConfigError("the open_clip comparison needs open_clip_torch installed "
+                          "(pip install open_clip_torch)") from exc
+    if name not in open_clip.list_models():
+        raise ConfigError(f"open_clip has no model {name!r}; expected one of "
+                          f"open_clip.list_models(), e.g. {OPEN_CLIP_DEFAULT!r}")
+    torch.manual_seed(seed)
+    return open_clip.create_model(name, pretrained=None, output_dict=False)
+
+
+def open_clip_shapes(model: nn.Module) -> tuple[int, int, int]:
+    """(image size, context length, vocabulary size) of an open_clip CLIP model."""
+    size = model.visual.image_size
+    size = size[0] if isinstance(size, tuple | list) else size
+    return int(size), int(model.context_length), int(model.vocab_size)
+
+
+def make_inputs(batch: int, image_size: int, ctx_len: int, vocab: int,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One synthetic batch: normal images (B, 3, S, S), uniform token ids (B, ctx_len)."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, 3, image_size, image_size, generator=g)
+    tokens = torch.randint(1, vocab, (batch, ctx_len), generator=g)
+    return images, tokens
+
+
+def maybe_compile(model: nn.Module, mode: str) -> nn.Module:
+    if mode not in MODES:
+        raise ConfigError(f"benchmark mode {mode!r}: expected one of {MODES}")
+    return torch.compile(model, dynamic=False) if mode == "compiled" else model
+
+
+def training_runner(model: nn.Module, forward: nn.Module, precision: str,
+                    images: torch.Tensor, tokens: torch.Tensor) -> Callable[[], float]:
+    """One training step per call (returns the loss): the trainer's optimizer on
+    ``model``'s parameters, the forward through ``forward`` (``model`` or its compiled
+    wrapper)."""
+    from .loss import ClipLoss
+    from .memory.measure import trainer_defaults
+    from .precision import get_precision
+    from .train.accumulation import MicroBatch, train_step
+    from .train.loop import build_optimizer
+    settings = trainer_defaults()
+    optimizer = build_optimizer(model, settings)
+    loss_fn = ClipLoss(cache_labels=True)
+    prec = get_precision(precision, "cpu")
+    scaler = prec.scaler()
+    batch = [MicroBatch(images, tokens)]
+
+    def step() -> float:
+        result = train_step(forward, batch, loss_fn, optimizer, scaler=scaler,
+                            autocast=prec.autocast_factory, mode=settings.accum_mode,
+                            clip_grad_norm=settings.grad_clip_norm)
+        return float(result.loss)
+    return step
+
+
+def inference_runner(forward: nn.Module, precision: str, images: torch.Tensor,
+                     tokens: torch.Tensor) -> Callable[[], float]:
+    """encode_image + encode_text (the models' forward) without grad, per call."""
+    from .precision import get_precision
+    prec = get_precision(precision, "cpu")
+
+    def run() -> float:
+        with torch.no_grad(), prec.autocast():
+            image_f, text_f, _ = forward(images, tokens)
+        return float(image_f.float().sum() + text_f.float().sum())
+    return run
+
+
+@dataclass
+class Case:
+    """One row of the table: a task at a batch size, precision and mode."""
+
+    task: str  # "train" or "infer"
+    batch: int
+    precision: str
+    mode: str
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+def interleaved(runners: dict[str, Callable[[], float]], warmup: int,
+                repeats: int) -> dict[str, Any]:
+    """Warm each runner up, then time them in ABBA order; per-name step times, the
+    warm-up seconds and whether every returned value was finite."""
+    names = list(runners)
+    out: dict[str, Any] = {n: {"step_s": [], "finite": True} for n in names}
+    for name in names:
+        t = time.perf_counter()
+        for _ in range(warmup):
+            value = runners[name]()
+            out[name]["finite"] &= bool(torch.isfinite(torch.tensor(value)))
+        out[name]["warmup_s"] = time.perf_counter() - t
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t = time.perf_counter()
+            value = runners[name]()
+            out[name]["step_s"].append(time.perf_counter() - t)
+            out[name]["finite"] &= bool(torch.isfinite(torch.tensor(value)))
+    return out
+
+
+def summarise(timings: dict[str, Any], batch: int, ours: str, theirs: str | None) -> dict:
+    """pairs/s per side (batch / median step time) and the median paired ratio."""
+    result: dict[str, Any] = {}
+    for name, t in timings.items():
+        result[name] = {"pairs_per_s": batch / statistics.median(t["step_s"]),
+                        "step_s": t["step_s"], "warmup_s": t["warmup_s"],
+                        "finite": t["finite"]}
+    if theirs is not None:
+        paired = [b / a for a, b in zip(timings[ours]["step_s"], timings[theirs]["step_s"],
+                                        strict=True)]
+        result["ratio"] = statistics.median(paired)
+    return result
+
+
+def run_cases(cases: Sequence[Case], ours: nn.Module, theirs: nn.Module | None,
+              inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+              warmup: int, repeats: int, log: Callable[[str], None] = lambda s: None,
+              ) -> list[Case]:
+    """Fill ``case.result`` for every case, ours (key "rwkv_clip") beside theirs
+    ("open_clip") when given. Compiled wrappers are made once per model and reused
+    (dynamic=False: each batch size / precision / grad mode is its own graph)."""
+    models = {"rwkv_clip": ours} | ({"open_clip": theirs} if theirs is not None else {})
+    compiled: dict[str, nn.Module] = {}
+    for case in cases:
+        images, tokens = inputs(case.batch)
+        runners = {}
+        for name, model in models.items():
+            if case.mode == "compiled":
+                compiled.setdefault(name, maybe_compile(model, "compiled"))
+            forward = compiled[name] if case.mode == "compiled" else model
+            model.train(case.task == "train")
+            if case.task == "train":
+                runners[name] = training_runner(model, forward, case.precision, images, tokens)
+            else:
+                runners[name] = inference_runner(forward, case.precision, images, tokens)
+        timings = interleaved(runners, warmup, repeats)
+        case.result = summarise(timings, case.batch, "rwkv_clip",
+                                "open_clip" if theirs is not None else None)
+        log(format_row(case))
+        del runners
+        gc.collect()
+    return cases
+
+
+def format_row(case: Case) -> str:
+    r = case.result
+    cells = [f"{case.task} b{case.batch} {case.precision} {case.mode}",
+             f"ours {r['rwkv_clip']['pairs_per_s']:.2f} pairs/s"]
+    if "open_clip" in r:
+        cells += [f"open_clip {r['open_clip']['pairs_per_s']:.2f}", f"ratio {r['ratio']:.2f}x"]
+    return " | ".join(cells)
+
+
+def table(cases: Sequence[Case]) -> dict[str, Any]:
+    """The cases as JSON-ready rows, plus compiled-over-eager speed-ups per side
+    (ratio of median pairs/s of the same task, batch and precision)."""
+    rows = [{"task": c.task, "batch": c.batch, "precision": c.precision, "mode": c.mode,
+             **c.result} for c in cases]
+    eager = {(c.task, c.batch, c.precision): c.result for c in cases if c.mode == "eager"}
+    speedups = []
+    for c in cases:
+        base = eager.get((c.task, c.batch, c.precision))
+        if c.mode != "compiled" or base is None:
+            continue
+        speedups.append({"task": c.task, "batch": c.batch, "precision": c.precision,
+                         **{name: c.result[name]["pairs_per_s"] / base[name]["pairs_per_s"]
+                            for name in ("rwkv_clip", "open_clip") if name in c.result}})
+    return {"rows": rows, "compiled_over_eager": speedups}
+
+
+def parse_list(text: str, kind: Callable[[str], Any], allowed: Sequence | None,
+               flag: str) -> list:
+    """A comma-separated flag value, each item converted and checked."""
+    items = [kind(item) for item in text.split(",") if item.strip()]
+    bad = [i for i in items if allowed is not None and i not in allowed]
+    if not items or bad:
+        raise ConfigError(f"{flag} {text!r}: expected a comma-separated list of "
+                          f"{list(allowed) if allowed else 'values'}")
+    return items
+
+
+def add_versus_flags(ap, default_batches: str, default_config: str,
+                     versus_default: str | None = OPEN_CLIP_DEFAULT) -> None:
+    """The comparison's flags, shared by bench_train.py --versus and bench_infer.py
+    (``--versus`` alone means ViT-B-32; 'none' runs ours only)."""
+    group = ap.add_argument_group("side by side with open_clip")
+    group.add_argument("--versus", nargs="?", const=OPEN_CLIP_DEFAULT, default=versus_default,
+                       metavar="OPEN_CLIP_MODEL",
+                       help=f"open_clip model to run beside ours ({OPEN_CLIP_DEFAULT} if no "
+                            "name is given; 'none': ours only)")
+    group.add_argument("--versus-config", default=default_config,
+                       help="our model config for the comparison (default B/32)")
+    group.add_argument("--batch-sizes", default=default_batches,
+                       help=f"comma-separated batch sizes (default {default_batches})")
+    group.add_argument("--precisions", default="fp32,bf16", help="fp32 and/or bf16")
+    group.add_argument("--modes", default="eager,compiled", help="eager and/or compiled")
+    group.add_argument("--repeats", type=int, default=2,
+                       help="timed repeats per model and case (default 2: a quick run)")
+    group.add_argument("--versus-warmup", type=int, default=1,
+                       help="untimed calls per model and case (compilation happens here)")
+    group.add_argument("--versus-threads", type=int, default=2, help="torch.set_num_threads")
+    group.add_argument("--versus-out", default=None, help="also write the JSON here")
+
+
+def run_versus(ns, tasks: Sequence[str]) -> int:
+    """Run the comparison the flags describe; prints one JSON object (progress and a
+    readable table on stderr). Returns 0 when every loss / output was finite."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from .memory.measure import build_model
+    batches = parse_list(ns.batch_sizes, int, None, "--batch-sizes")
+    if any(b < 1 for b in batches):
+        raise ConfigError(f"--batch-sizes {ns.batch_sizes!r}: batch sizes must be >= 1")
+    precisions = parse_list(ns.precisions, str, PRECISIONS, "--precisions")
+    modes = parse_list(ns.modes, str, MODES, "--modes")
+    if ns.repeats < 1 or ns.versus_warmup < 1:
+        raise ConfigError("--repeats and --versus-warmup must be at least 1 (compiled models "
+                          "compile during warm-up)")
+    torch.set_num_threads(ns.versus_threads)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    args, ours = build_model(ns.versus_config, "cpu", False, None)
+    theirs = None if ns.versus == "none" else build_open_clip(ns.versus)
+    size, ctx_len, vocab = args.input_size, args.ctx_len, args.vocab_size
+    if theirs is not None:
+        shapes = open_clip_shapes(theirs)
+        if shapes != (size, ctx_len, vocab):
+            raise ConfigError(f"{Path(ns.versus_config).name} takes (image size, context, "
+                              f"vocabulary) = {(size, ctx_len, vocab)} but open_clip "
+                              f"{ns.versus} takes {shapes}; the comparison needs one batch "
+                              "both can read")
+    cases = [Case(task, b, p, m) for m in modes for task in tasks for b in batches
+             for p in precisions]
+    t0 = time.perf_counter()
+    run_cases(cases, ours, theirs, lambda b: make_inputs(b, size, ctx_len, vocab),
+              ns.versus_warmup, ns.repeats, log)
+    result = {"config": Path(ns.versus_config).name, "versus": ns.versus,
+              "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "repeats": ns.repeats, "warmup": ns.versus_warmup,
+              "interleaving": "ABBA per repeat; ratio = median of paired (their step time / "
+                              "our step time)",
+              "total_s": time.perf_counter() - t0, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+              **table(cases)}
+    text = json.dumps(result)
+    print(text)
+    if ns.versus_out:
+        Path(ns.versus_out).write_text(text + "\n")
+    finite = all(row[name]["finite"] for row in result["rows"]
+                 for name in ("rwkv_clip", "open_clip") if name in row)
+    return 0 if finite else 1

@@ -1,0 +1,74 @@
+"""The side-by-side benchmark (rwkv_clip.benchmark, bench_train.py --versus, bench_infer.py):
+its timing arithmetic, its flag checks, and one JSON object from each script."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rwkv_clip.benchmark import Case, parse_list, summarise, table
+from rwkv_clip.errors import ConfigError
+
+
+def test_ratio_is_the_median_of_paired_ratios():
+    timings = {"rwkv_clip": {"step_s": [1.0, 2.0, 1.0], "warmup_s": 0.0, "finite": True},
+               "open_clip": {"step_s": [2.0, 2.0, 3.0], "warmup_s": 0.0, "finite": True}}
+    result = summarise(timings, 4, "rwkv_clip", "open_clip")
+    assert result["ratio"] == 2.0  # paired: 2.0, 1.0, 3.0
+    assert result["rwkv_clip"]["pairs_per_s"] == 4.0  # 4 / median(1, 2, 1)
+    assert result["open_clip"]["pairs_per_s"] == 2.0
+
+
+def test_compiled_over_eager_pairs_the_same_case():
+    eager = Case("infer", 16, "bf16", "eager", {"rwkv_clip": {"pairs_per_s": 10.0}})
+    other = Case("infer", 16, "fp32", "eager", {"rwkv_clip": {"pairs_per_s": 99.0}})
+    compiled = Case("infer", 16, "bf16", "compiled", {"rwkv_clip": {"pairs_per_s": 13.0}})
+    out = table([eager, other, compiled])
+    assert len(out["rows"]) == 3
+    assert out["compiled_over_eager"] == [{"task": "infer", "batch": 16, "precision": "bf16",
+                                           "rwkv_clip": pytest.approx(1.3)}]
+
+
+def test_list_flags_are_checked():
+    assert parse_list("4,16", int, None, "--batch-sizes") == [4, 16]
+    with pytest.raises(ConfigError, match="--precisions 'fp8'"):
+        parse_list("fp8", str, ("fp32", "bf16"), "--precisions")
+
+
+def _run(repo_root, script, *flags):
+    cmd = [sys.executable, str(repo_root / "scripts" / script), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=repo_root)
+
+
+@pytest.mark.parametrize("script,task", [("bench_infer.py", "infer"),
+                                         ("bench_train.py", "train")])
+def test_scripts_print_one_json_object(repo_root, script, task):
+    proc = _run(repo_root, script, *(["--versus", "none"]),
+                "--versus-config", str(repo_root / "model_config" / "RWKV_CLIP_tiny.json"),
+                "--batch-sizes", "2", "--modes", "eager", "--versus-threads", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout
+    result = json.loads(lines[0])
+    assert [(r["task"], r["precision"]) for r in result["rows"]] == [(task, "fp32"),
+                                                                     (task, "bf16")]
+    assert all(r["rwkv_clip"]["pairs_per_s"] > 0 and r["rwkv_clip"]["finite"]
+               for r in result["rows"])
+
+
+def test_bad_flag_is_one_line_error(repo_root):
+    proc = _run(repo_root, "bench_infer.py", "--versus", "none", "--modes", "jit")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --modes 'jit'")
+
+
+@pytest.mark.slow
+def test_b32_beside_open_clip_vit_b32(repo_root):
+    proc = _run(repo_root, "bench_infer.py", "--batch-sizes", "1", "--precisions", "fp32",
+                "--modes", "eager", "--repeats", "1", "--versus-threads", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout)["rows"][0]
+    assert row["rwkv_clip"]["pairs_per_s"] > 0 and row["open_clip"]["pairs_per_s"] > 0
+    assert row["ratio"] > 0

@@ -1,0 +1,47 @@
+"""Token shifts against their definition, element by element (cls token, wider shifts)."""
+import pytest
+import torch
+
+from rwkv_clip.layers import bidirectional_shift_multihead, q_shift_multihead
+
+
+def _q_shift_by_definition(x, s, head_dim, H, W, cls):
+    B, N, C = x.shape
+    out = torch.zeros_like(x)
+    q = head_dim // 4
+    for n in range(H * W):
+        h, w = divmod(n, W)
+        for c in range(C):
+            part = (c % head_dim) // q  # 0 left, 1 right, 2 above, 3 below
+            hh, ww = (h, w - s) if part == 0 else (h, w + s) if part == 1 else \
+                (h - s, w) if part == 2 else (h + s, w)
+            if 0 <= hh < H and 0 <= ww < W:
+                out[:, n, c] = x[:, hh * W + ww, c]
+    if cls:
+        out[:, -1] = x[:, -1]
+    return out
+
+
+@pytest.mark.parametrize("cls,s", [(False, 1), (True, 1), (False, 2)])
+def test_q_shift_matches_definition(cls, s):
+    H, W, C, hd = 3, 4, 16, 8
+    x = torch.randn(2, H * W + cls, C)
+    expected = _q_shift_by_definition(x, s, hd, H, W, cls)
+    assert torch.equal(q_shift_multihead(x, s, hd, (H, W), cls), expected)
+
+
+def test_bidirectional_shift_matches_definition_and_grad():
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    out = bidirectional_shift_multihead(x, 1, 8)
+    expected = torch.zeros_like(x)
+    for t in range(5):
+        for c in range(16):
+            src = t - 1 if c % 8 < 4 else t + 1
+            if 0 <= src < 5:
+                expected[:, t, c] = x[:, src, c]
+    assert torch.equal(out, expected)
+    grad, = torch.autograd.grad(out.sum(), x)  # each kept value is read exactly once
+    edge = torch.ones(5, 16)
+    edge[-1, :4] = edge[-1, 8:12] = 0  # t = 4 feeds no t + 1 in the first halves
+    edge[0, 4:8] = edge[0, 12:] = 0
+    assert torch.equal(grad[0], edge)
