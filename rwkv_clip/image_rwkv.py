@@ -8,6 +8,7 @@ random numbers as the original.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as cp
@@ -66,7 +67,8 @@ class VRWKV_SpatialMix_V6(TimeMixBase):
         bonus = fancy_bonus_init(self.attn_sz, self.layer_id, self.n_layer)
         self.time_faaaa = nn.Parameter(torch.tensor(bonus).view(self.n_head, self.head_size))
 
-    def shift(self, x, patch_resolution=None):
+    def shift(self, x: torch.Tensor, patch_resolution: tuple[int, int] | None = None,
+              **shift_kwargs: Any) -> torch.Tensor:
         return q_shift_multihead(x, self.shift_pixel, self.head_size, patch_resolution,
                                  self.with_cls_token)
 
@@ -138,7 +140,7 @@ class Block_V6(nn.Module):
                                        with_cls_token=with_cls_token)
         self.layer_scale = init_values is not None
         self.post_norm = post_norm
-        if self.layer_scale:
+        if init_values is not None:
             self.gamma1 = nn.Parameter(init_values * torch.ones(n_embd))
             self.gamma2 = nn.Parameter(init_values * torch.ones(n_embd))
         self.with_cp = with_cp

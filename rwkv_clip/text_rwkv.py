@@ -8,6 +8,7 @@ original's ``args`` namespace (see :mod:`rwkv_clip.config`). ``time_decay`` and
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as cp
@@ -57,7 +58,7 @@ class RWKV_Tmix_V6(TimeMixBase):
         bonus = torch.tensor(fancy_bonus_init(args.dim_att, layer_id, args.n_layer))
         self.time_faaaa = nn.Parameter(bonus.to(torch.bfloat16).view(self.n_head, self.head_size))
 
-    def shift(self, x):
+    def shift(self, x: torch.Tensor, **shift_kwargs: Any) -> torch.Tensor:
         return bidirectional_shift_multihead(x, 1, self.head_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +93,8 @@ class RWKV_CMix_V6(nn.Module):
 
 class Block(nn.Module):
     """Residual block; dropout wraps the whole residual sum, as in the original."""
+
+    tiny_mask: torch.Tensor  # a buffer, registered only with tiny attention
 
     def __init__(self, args, layer_id: int) -> None:
         super().__init__()
@@ -133,6 +136,7 @@ class Block(nn.Module):
         x = self.drop0(x + self.att(self.ln1(x)))
         x = self.drop1(x + self.ffn(self.ln2(x)))
         if self.has_tiny_att:
+            assert x_emb is not None, "tiny attention reads the token embeddings"
             x = self._tiny_attention(x, x_emb)
         return x
 

@@ -294,3 +294,23 @@ def test_original_script_flags(data, tiny_weights, tmp_path, capsys):
                           "--dataset", "imagefolder", "--data-root", data["folder"], "--device", "cpu",
                           "--output-dir", tmp_path)
     assert_one_line_error(rc, err, "missing keys", "text_model.blocks.2")
+
+
+@pytest.mark.slow
+def test_torchcompile_gives_the_eager_features(tmp_path):
+    """--torchcompile (open_clip's flag) compiles the encoders; their features are eager's."""
+    import torch
+
+    from rwkv_clip.distributed import DistInfo
+    from rwkv_clip.eval.cli import parse_options
+    from rwkv_clip.eval.runner import build_model
+
+    images = torch.randn(2, 3, 24, 24)
+    feats = []
+    for flags in ([], ["--torchcompile"]):
+        opts = parse_options(["--device", "cpu", *flags])
+        assert opts.torchcompile == bool(flags)
+        model, *_ = build_model(opts, torch.device("cpu"), DistInfo())
+        with torch.no_grad():
+            feats.append(model.encode_image(images))
+    torch.testing.assert_close(feats[0], feats[1], rtol=1e-5, atol=1e-5)

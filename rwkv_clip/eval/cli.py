@@ -91,6 +91,9 @@ def build_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--wkv-backend", default=None, choices=("auto", "cuda", "cpu", "reference"),
                    help="WKV kernel: native CUDA/CPU kernel (built on first use) or the pure "
                         "PyTorch reference (slow, needs no compiler). Default: by device.")
+    g.add_argument("--torchcompile", action="store_true", default=False,
+                   help="torch.compile encode_image / encode_text (open_clip's flag); the "
+                        "first batches include the compilation")
     g.add_argument("--seed", type=int, default=1024,
                    help="seed for the random init when no weights are given (default 1024)")
 

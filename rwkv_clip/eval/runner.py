@@ -91,6 +91,10 @@ def build_model(opts, device: torch.device, info: DistInfo) -> tuple[Any, Any, s
     if opts.wkv_backend and opts.wkv_backend != "auto":
         model.set_wkv_backend(opts.wkv_backend)
     model = model.to(device).eval()
+    if getattr(opts, "torchcompile", False):
+        # the evaluators call encode_image / encode_text, so those are what gets compiled
+        model.encode_image = torch.compile(model.encode_image)  # type: ignore[method-assign]
+        model.encode_text = torch.compile(model.encode_text)  # type: ignore[method-assign]
     model_name = opts.model_name or name
     pretrained = weights.label if weights else f"none (random init, seed {opts.seed})"
     return model, args, model_name, pretrained
@@ -228,7 +232,7 @@ def options(**kwargs) -> SimpleNamespace:
                 task="zeroshot_classification", batch_size=64, text_batch_size=256, workers=0,
                 precision="fp32", amp=None, output_dir=None, score_file=None,
                 device=None,
-                wkv_backend=None, caltech101_split="original", seed=1024)
+                wkv_backend=None, torchcompile=False, caltech101_split="original", seed=1024)
     base.update({k: None for k in ARCH_FLAGS})
     base.update(kwargs)
     return SimpleNamespace(**base)
