@@ -227,6 +227,7 @@ class Image_RWKV(nn.Module):
     @with_cp.setter
     def with_cp(self, value: bool) -> None:
         for layer in self.layers:
+            assert isinstance(layer, Block_V6)
             layer.with_cp = bool(value)
 
     def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:

@@ -20,6 +20,7 @@ from torch import nn
 from .config import ModelArgs, complete_args
 from .errors import CheckpointError
 from .image_rwkv import Image_RWKV
+from .layers.time_mix import TimeMixBase
 from .text_rwkv import Text_RWKV
 
 
@@ -60,7 +61,7 @@ class get_model(nn.Module):
     def set_wkv_backend(self, backend: str | None) -> None:
         """Force a WKV backend ("cuda", "cpu", "reference") or None to follow the device."""
         for module in self.modules():
-            if hasattr(module, "wkv_backend"):
+            if isinstance(module, TimeMixBase):  # every WKV call sits in a time mix
                 module.wkv_backend = backend
 
 
