@@ -49,7 +49,7 @@ def test_train_loader_pairs_and_coverage(data, kind, fmt):
     dali_or_skip(kind)
     L = build_train_loader(_args(data[fmt], fmt, kind, workers=2), log=None)
     assert len(L) == 5  # ceil(37 / 8), full batches
-    for _epoch in range(2):
+    for _ in range(2):
         ids = _epoch(L, data["tmap"])
         assert len(ids) == 40 and set(ids) == set(range(N))
         L.reset()
