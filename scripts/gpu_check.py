@@ -316,7 +316,7 @@ def cmd_ddp_step(device: str) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from rwkv_clip.memory import _build, make_step, synthetic_batch
+    from rwkv_clip.memory import build_model, make_step, synthetic_batch
     cuda = device == "cuda"
     dev = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda
            else torch.device("cpu"))
@@ -326,7 +326,7 @@ def cmd_ddp_step(device: str) -> int:
     try:
         ones = torch.ones(4, device=dev)
         dist.all_reduce(ones)
-        args, model = _build(TINY, dev, False, None)
+        args, model = build_model(TINY, dev, False, None)
         ddp = DistributedDataParallel(model, device_ids=[dev] if cuda else None)
         step = make_step(ddp, "bf16" if cuda else "fp32", dev.type)
         images, tokens = synthetic_batch(args, 8, dev)

@@ -148,3 +148,18 @@ def test_last_json_reads_indented_and_one_line_output():
     assert gpu_check.last_json('{\n "b": [\n  2\n ]\n}') == {"b": [2]}
     assert gpu_check.last_json("warning: x\n{\n \"c\": 3\n}\n") == {"c": 3}
     assert gpu_check.last_json("no json here") is None
+
+
+def test_the_check_imports_names_the_project_has():
+    """Every ``from rwkv_clip... import NAME`` in the check's scripts exists (the check must
+    work the first time on a lent machine; a renamed helper would only fail there)."""
+    import ast
+    import importlib
+
+    for script in ("gpu_check.py", "bench_train.py", "bench_wkv.py", "bench_infer.py"):
+        path = Path(__file__).resolve().parents[1] / "scripts" / script
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rwkv_clip"):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    assert hasattr(module, alias.name), f"{script}: {node.module}.{alias.name}"
