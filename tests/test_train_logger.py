@@ -98,8 +98,7 @@ def test_kernel_notice_only_when_the_cpu_kernel_is_not_cached(tmp_path, monkeypa
     prepare_wkv_kernel(torch.device("cpu"), log)  # pure-PyTorch backend: no kernel
     assert rec.messages == []
     monkeypatch.delenv("RWKV_CLIP_WKV_BACKEND")
-    name = build.cpu_kernel_name()
-    if not (build.cache_root() / name / f"{name}.so").is_file():
+    if not build.cpu_kernel_cached():
         pytest.skip("the CPU kernel is not built in this cache (the notice would compile it)")
     prepare_wkv_kernel(torch.device("cpu"), log)
     assert rec.messages == []  # cached: silent
@@ -118,5 +117,7 @@ def test_kernel_notice_before_a_first_build(tmp_path, monkeypatch):
     prepare_wkv_kernel(torch.device("cpu"), log)
     assert rec.messages[0].startswith("preparing the WKV CPU kernel (first use compiles it")
     assert rec.messages[1].startswith("WKV CPU kernel ready")
-    name = build.cpu_kernel_name()
-    assert (build.cache_root() / name / f"{name}.so").is_file()
+    assert build.cpu_kernel_cached()
+    rec.messages.clear()
+    prepare_wkv_kernel(torch.device("cpu"), log)  # cached now: no notice
+    assert rec.messages == []

@@ -502,6 +502,16 @@ def cpu_kernel_spec() -> KernelSpec:
                       ldflags=("-fopenmp",))
 
 
+def is_built(spec: KernelSpec) -> bool:
+    """True when ``spec``'s kernel is in the cache (loading it compiles nothing)."""
+    build_dir = cache_root() / spec.name
+    return (build_dir / "built.json").is_file() and (build_dir / f"{spec.name}.so").is_file()
+
+
+def cpu_kernel_cached() -> bool:
+    return is_built(cpu_kernel_spec())
+
+
 def get_cpu_kernel(verbose: bool = False):
     """The compiled CPU kernel module (forward, backward); builds it on first use."""
     def make():

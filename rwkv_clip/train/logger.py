@@ -211,8 +211,7 @@ def prepare_wkv_kernel(device: torch.device, log: logging.Logger) -> None:
         return
     from ..ops import build
 
-    name = build.cpu_kernel_name()
-    if (build.cache_root() / name / f"{name}.so").is_file():
+    if build.cpu_kernel_cached():
         return
     log.info(f"preparing the WKV CPU kernel (first use compiles it, ~40 s; cached in "
              f"{build.cache_root()})")
