@@ -65,6 +65,7 @@ def _worker(rank: int, world: int, port: int, folder: str, jsonl: str, out: str)
         assert current().world_size == world
         result = evaluate(Path(folder), Path(jsonl))
         torch.save(result, f"{out}.rank{rank}")
+        dist.barrier()  # leave together: gloo can abort at exit if a peer tears down first
     finally:
         dist.destroy_process_group()
 
@@ -91,6 +92,7 @@ def _gather_worker(rank: int, world: int, port: int, out: str):
             labels = idx * 3
             results[n] = gather_rows(idx, labels, rows, info=info)
         torch.save(results, f"{out}.rank{rank}")
+        dist.barrier()  # leave together: gloo can abort at exit if a peer tears down first
     finally:
         dist.destroy_process_group()
 
@@ -163,6 +165,7 @@ def _failing_worker(rank: int, world: int, port: int, folder: str, out: str):
         except Exception as exc:
             outcome = f"{type(exc).__name__}: {exc}"
         Path(f"{out}.rank{rank}").write_text(outcome)
+        dist.barrier()  # leave together: gloo can abort at exit if a peer tears down first
     finally:
         dist.destroy_process_group()
 

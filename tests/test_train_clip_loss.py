@@ -59,6 +59,10 @@ def _rank_worker(rank: int, init_file: str, out_file: str) -> None:
             results[(local_loss, gather_with_grad)] = (mean_loss / WORLD, grads)
         if rank == 0:
             torch.save(results, out_file)
+        # both ranks leave together: a rank that tears gloo down while its peer still
+        # holds the pair open can abort at exit ("terminate called without an active
+        # exception"), the gloo exit trap
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
