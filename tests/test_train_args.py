@@ -154,3 +154,83 @@ def test_negative_keep_checkpoints_is_refused(tmp_path):
     with pytest.raises(TrainArgsError, match="--keep-checkpoints must be >= 0"):
         main(parse_args(["--config", TINY_CONFIG, "--output", str(tmp_path),
                          "--keep-checkpoints", "-1"]))
+
+
+# ---- a step batch larger than the training data (issue 10, ask 8)
+
+def _tiny_parquet(folder, usable: int):
+    """img2dataset-style parquet with one failed row more than ``usable`` rows."""
+    from test_data_parquet import write_img2dataset
+    write_img2dataset(folder, n=usable + 1, failed={1})
+    return str(folder)
+
+
+@pytest.mark.parametrize("fmt", ["rec", "parquet"])
+def test_batch_larger_than_the_data_is_one_line_error(tmp_path, capsys, fmt):
+    from train_util import make_tiny_rec, tiny_argv
+
+    from rwkv_clip.train import cli
+    if fmt == "rec":
+        data, name = make_tiny_rec(tmp_path / "data", n=6), str(tmp_path / "data" / "tiny.rec")
+    else:  # 6 usable rows: the failed download does not count
+        data = name = _tiny_parquet(tmp_path / "data", usable=6)
+    argv = tiny_argv(tmp_path / "out", data, "--data-format", fmt)  # --batch-size 8
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"train.py: error: --batch-size 8 x 1 rank(s) needs at least 8 training "
+                   f"pairs per rank, got 6 in {name}; lower --batch-size"]
+    assert not list((tmp_path / "out").rglob("*.pt"))  # refused before any step
+
+
+def test_accumulated_batch_larger_than_the_data_is_refused(tmp_path):
+    """14 pairs make 4 batches of 4 (the last padded), enough for one step of
+    --gradient-acc 4 by count, but the step would see 2 duplicates."""
+    from train_util import make_tiny_rec, tiny_argv
+
+    from rwkv_clip.errors import TrainArgsError
+    from rwkv_clip.train import main
+    data = make_tiny_rec(tmp_path / "data", n=14)
+    argv = tiny_argv(tmp_path / "out", data, "--batch-size", "4", "--gradient-acc", "4")
+    with pytest.raises(TrainArgsError, match=r"^--batch-size 4 x --gradient-acc 4 x 1 rank\(s\) "
+                       r"needs at least 16 training pairs per rank, got 14 in .*tiny\.rec; "
+                       r"lower --batch-size or --gradient-acc$"):
+        main(parse_args(argv))
+
+
+def test_batch_against_a_rank_share(tmp_path):
+    """Two ranks of a 10-pair set have 5 pairs each: batch 5 fits, batch 6 does not (every
+    loader says how many pairs it has)."""
+    from types import SimpleNamespace
+
+    from train_util import make_tiny_rec
+
+    from rwkv_clip.data import build_train_loader
+    from rwkv_clip.data.dali_pipeline import dali_available
+    from rwkv_clip.distributed import DistInfo
+    from rwkv_clip.errors import TrainArgsError
+    from rwkv_clip.train.loop import check_batch_fits
+    data = make_tiny_rec(tmp_path / "data", n=10)
+    info = DistInfo(rank=1, world_size=2)
+    kinds = ["torch"] + (["dali"] if dali_available() else [])
+    for kind, bs in [(kind, bs) for kind in kinds for bs in (5, 6)]:
+        args = SimpleNamespace(train_data=data, batch_size=bs, gradient_acc=1, workers=1,
+                               input_size=24, device="cpu", rank=1, world_size=2,
+                               loader=kind, train_num_samples=None)
+        loader = build_train_loader(args, log=None)
+        assert loader.num_samples == 10
+        if bs == 5:
+            check_batch_fits(loader, args, info, "tiny.rec")
+            continue
+        with pytest.raises(TrainArgsError, match=r"needs at least 6 training pairs per rank, "
+                           r"got 5 \(10 over 2 ranks\) in tiny\.rec; lower --batch-size or "
+                           r"use fewer ranks$"):
+            check_batch_fits(loader, args, info, "tiny.rec")
+
+
+def test_batch_equal_to_the_data_trains(tmp_path):
+    from train_util import make_tiny_rec, tiny_argv
+
+    from rwkv_clip.train import main
+    data = make_tiny_rec(tmp_path / "data", n=8)
+    summary = main(parse_args(tiny_argv(tmp_path / "out", data, "--max-steps", "1")))
+    assert summary["steps"] == 1

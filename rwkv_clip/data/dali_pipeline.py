@@ -154,6 +154,7 @@ class DALIWrapper:
         self.log = log
         self.skipped = 0            # records dropped (before the run and while running)
         self.skipped_epoch = 0      # of them, in the current epoch (run time only)
+        self.num_samples = None     # usable pairs over all ranks (set by the builder)
         self.dropped: set = set()   # keys dropped while running
         self.iter = None
         self.epoch = 0
@@ -355,6 +356,7 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
         pad_tokens = 154 in chk.label_counts or chk.checked < chk.num_records
         entries = chk.good
         n_skipped = len(chk.bad)
+        num_samples = len(entries)
         find_bad = _find_bad_rec(data, entries, first_only=not skip_corrupt)
 
         def index_for(dropped):
@@ -379,6 +381,7 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
         paths = [p for p in index.shards if p not in bad_shards]
         pad_tokens = any(s.tok[1] == 154 * 4 for s in index.samples)
         n_skipped = len(index.bad)
+        num_samples = sum(s.shard not in bad_shards for s in index.samples)
         find_bad = _find_bad_wds(index, first_only=not skip_corrupt)
     else:
         raise ValueError(f"unknown data format {data_format!r} for DALI (rec or wds)")
@@ -440,6 +443,7 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
     wrapper = DALIWrapper(make_iter, find_bad, pad_tokens, skip_corrupt=skip_corrupt,
                           can_drop=data_format == "rec", log=log)
     wrapper.skipped += n_skipped
+    wrapper.num_samples = num_samples  # usable pairs over all ranks
     return wrapper
 
 

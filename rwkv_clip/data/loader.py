@@ -31,7 +31,8 @@ Every returned loader yields ``(images float32 (B, 3, S, S), tokens int64 (B, 23
 and has ``len()`` (batches per epoch, equal on all ranks for training), ``reset()``
 (call after each epoch), ``set_epoch(E)`` (go to the start of epoch E: a resumed run;
 epoch E's order and augmentation are a function of seed, rank and E, so taking B
-batches then reproduces any position exactly) and ``skipped`` (records skipped so far).
+batches then reproduces any position exactly), ``skipped`` (records skipped so far) and
+``num_samples`` (usable training pairs over all ranks, for the batch-size check).
 Every loader applies the same record checks (decodable image, 231/154 labels, labels
 are token ids) and raises the same one-line :class:`DataError` naming file and record.
 """

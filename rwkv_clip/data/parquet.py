@@ -546,6 +546,7 @@ class ParquetLoader:
                                       world_size, skip_corrupt, caption_tokens, shuffle_rows)
         self.index = index
         self.batch_size = batch_size
+        self.num_samples = index.usable  # usable rows over all ranks
         self.workers = max(0, int(workers))
         self.epoch = 0
         self.skipped = index.bad_rows

@@ -330,6 +330,7 @@ class TorchLoader:
         self.dataset = ImageTextDataset(source, input_size, train, seed, rank, skip_corrupt)
         self.sampler = ShardSampler(len(source), batch_size, rank, world_size, train, seed)
         self.batch_size = batch_size
+        self.num_samples = len(source)  # usable pairs over all ranks
         self.workers = max(0, int(workers))
         self.epoch = 0
         self.skipped = 0

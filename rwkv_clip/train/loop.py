@@ -332,6 +332,7 @@ def prepare_data(args, info: DistInfo, log) -> TrainData:
     train_data, data_format, zero_shot_dir = locate_train_data(args, info, log)
     loader = build_train_loader(loader_args(args, info, train_data, data_format),
                                 log=log.info if info.is_master else None)
+    check_batch_fits(loader, args, info, data_name(args, train_data, data_format))
     micro_per_epoch = batches_per_epoch(loader, args, info)
     steps_per_epoch, total_steps = count_steps(micro_per_epoch, args)
     k = args.gradient_acc
@@ -355,6 +356,43 @@ def locate_train_data(args, info: DistInfo, log) -> tuple[str, str, str | None]:
     builtin = ensure_builtin_dataset(root=args.builtin_root)
     log.info(f"built-in dataset: {builtin.num_train} training pairs at {builtin.root}")
     return builtin.train_prefix, "rec", args.zero_shot_data or builtin.zeroshot_dir
+
+
+def data_name(args, train_data: str, data_format: str) -> str:
+    """The training data as a message names it: the .rec file, else the flag's value."""
+    from ..data.recordio import rec_paths
+
+    name = rec_paths(train_data)[0] if data_format == "rec" else train_data
+    return f"the built-in dataset {name}" if args.data_format == "builtin" else name
+
+
+def check_batch_fits(loader, args, info: DistInfo, where: str) -> None:
+    """Refuse a step batch larger than a rank's share of the training pairs.
+
+    The loaders fill a short last batch with pairs of the same epoch (the original's FILL
+    policy); for a batch that does not divide the shard that is a few repeats, but a
+    batch larger than the shard would train on duplicates only because of the flags.
+    The size comes from the loader (``num_samples``: usable pairs over all ranks) or, for
+    a streaming loader, from ``--train-num-samples``; when neither says, nothing is
+    checked.
+    """
+    pairs = getattr(loader, "num_samples", None)
+    if pairs is None:
+        pairs, where = args.train_num_samples, "--train-num-samples"
+    if not pairs:
+        return
+    k, world = args.gradient_acc, info.world_size
+    per_rank = int(pairs) // world  # the smallest shard (shards differ by at most one)
+    need = args.batch_size * k
+    if per_rank >= need:
+        return
+    spread = f" ({pairs} over {world} ranks)" if world > 1 else ""
+    acc = f" x --gradient-acc {k}" if k > 1 else ""
+    lower = "--batch-size" + (" or --gradient-acc" if k > 1 else "")
+    raise TrainArgsError(
+        f"--batch-size {args.batch_size}{acc} x {world} rank(s) needs at least {need} "
+        f"training pairs per rank, got {per_rank}{spread} in {where}; lower {lower}"
+        + (" or use fewer ranks" if world > 1 else ""))
 
 
 def batches_per_epoch(loader, args, info: DistInfo) -> int:
