@@ -3,7 +3,8 @@
 Each round starts ``train.py ... --resume latest`` (a fresh start when nothing is saved
 yet), waits for a new step line, then sends SIGKILL, SIGINT or SIGTERM after a random
 delay: 0-0.05 s in even rounds (a checkpoint is written right after every step line, so
-these land inside the save) and 0.05-0.5 s in odd ones (mostly inside the next step).
+these land inside the save) and 0.05-0.5 s in odd ones (mostly inside the next step);
+the first six rounds send each signal once at each of the two moments.
 A round moves the run on by one or two steps, so the 60-step run outlasts the rounds. After
 each round every checkpoint file loads with ``weights_only=True``; SIGINT / SIGTERM end
 with exit status 130 / 143 and ``interrupted at step N; resume with --resume latest``.
@@ -79,7 +80,7 @@ def test_random_kills_leave_loadable_checkpoints_and_resume_exactly(tmp_path):
                and time.time() < deadline):
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 0.05) if i % 2 == 0 else rng.uniform(0.05, 0.5))
-        sig = signals[i % 3] if i < 3 else rng.choice(signals)
+        sig = signals[i % 3] if i < 6 else rng.choice(signals)  # 6: each kind at each moment
         if proc.poll() is None:
             proc.send_signal(sig)
         rc = proc.wait(timeout=120)
