@@ -157,3 +157,15 @@ def test_logit_scale_clamped_after_step():
     images, tokens = _batch()
     model, _, _ = _one_step(base, images, tokens, 1)
     assert model.logit_scale.item() == pytest.approx(torch.log(torch.tensor(100.0)).item())
+
+
+@pytest.mark.parametrize("ctx_len", [5, 12, 24, 77, 90])
+def test_captions_fit_the_models_context_as_the_tokenizer_would(ctx_len):
+    """A model with ctx_len != 77 trains on the stored 77-token captions cut (end-of-text
+    kept) or padded exactly as ``tokenize(..., context_length=ctx_len)`` makes them."""
+    from rwkv_clip.tokenizer import tokenize
+    texts = ["a red circle", "a large blue star drawn in the middle of a plain white page"]
+    stored = tokenize(texts)  # (2, 77) as in the records
+    [mb] = make_micro_batches([torch.zeros(2, 3, 4, 4)], [stored], None, torch.device("cpu"),
+                              ctx_len=ctx_len)
+    assert torch.equal(mb.texts, tokenize(texts, context_length=ctx_len))

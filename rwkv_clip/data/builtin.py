@@ -2,18 +2,20 @@
 
 Each 64 x 64 image shows one shape (circle, square, triangle, cross, star) in one of six
 colours (red, green, blue, yellow, purple, orange), with a random size (small / medium
-/ large), position (3 x 3 grid of named regions, jittered), slight rotation and background
-(white, light gray, dark gray, black; plain, gradient or noisy). Shapes span 44-80% of
-the image side and the six colours are far apart, so shape and colour stay legible after
-the training crop and the resize to a small model's input (24-32 px): the default run
-reaches high zero-shot accuracy within minutes on a CPU. Three captions per image, stored
-as the raw / synthetic / generated variants:
+/ large), position (3 x 3 grid of regions, jittered, clamped inside the image), slight
+rotation and background (white, light gray, dark gray, black; plain, gradient or noisy).
+Shapes span 60-84% of the image side and the six colours are far apart, so shape and
+colour stay legible after the training crop and the resize to a small model's input
+(24-32 px). Size is the lever that matters most for how fast shape is learnt: with
+shapes of 44-80% of the side (v2), a supervised 2-block image tower reached 47% shape
+accuracy after 200 steps of 64, with these 76%. Three captions per image, stored as the
+raw / synthetic / generated variants; each names colour and shape, none the position
+or background (see :func:`captions`):
 
-* raw (terse):         "a red circle"
-* synthetic (descriptive): "a small red circle in the top left of the image on a
-  noisy dark gray background"
+* raw (terse):             "a red circle"
+* synthetic (descriptive): "a small red circle"
 * generated (paraphrased): synonyms and sentence templates, e.g. "there is a scarlet
-  round disc near the upper left"
+  round disc"
 
 Zero-shot classes are colour x shape (30 classes, chance 3.3%): colour alone is quick
 to learn and gives about 20% top-1 (the right colour, one of its 5 shapes at random);
@@ -48,7 +50,8 @@ from PIL import Image, ImageDraw
 from .recordio import RecordIOWriter
 from .tokens import encode_captions_batch, labels_for_rec
 
-BUILTIN_VERSION = "shapes-v2"  # v2: larger shapes, more distinct colours
+BUILTIN_VERSION = "shapes-v4"  # v2: larger shapes, more distinct colours; v3: no position
+# or background in the captions; v4: shapes 60-84% of the side, less jitter and rotation
 IMAGE_SIZE = 64
 _SS = 2  # supersampling factor for anti-aliased edges
 
@@ -65,7 +68,7 @@ COLOR_JITTER = 12
 BACKGROUNDS = {"white": 245, "light gray": 190, "dark gray": 75, "black": 15}
 BG_STYLES = ["plain", "gradient", "noisy"]
 # radius / S: even a small shape is ~10 px across at a 24 px input
-SIZES = {"small": (0.22, 0.27), "medium": (0.28, 0.33), "large": (0.34, 0.40)}
+SIZES = {"small": (0.30, 0.34), "medium": (0.34, 0.38), "large": (0.38, 0.42)}
 POSITIONS = [["top left", "top", "top right"],
              ["left", "center", "right"],
              ["bottom left", "bottom", "bottom right"]]
@@ -85,19 +88,12 @@ COLOR_SYNONYMS = {
     "purple": ["violet", "lavender", "purple"],
     "orange": ["tangerine", "amber", "orange"],
 }
-POSITION_PHRASES = {
-    "top left": "near the upper left", "top": "near the top edge",
-    "top right": "near the upper right", "left": "on the left side",
-    "center": "in the middle", "right": "on the right side",
-    "bottom left": "near the lower left", "bottom": "near the bottom edge",
-    "bottom right": "near the lower right",
-}
 PARAPHRASE_TEMPLATES = [
-    "there is {ac} {c} {s} {p}",
-    "an illustration showing {as_} {s} coloured {c}, {p}",
-    "{c} {s}, {z} sized, against {ab} {b} backdrop",
-    "a picture with one {z} {c} {s} {p}",
-    "a simple graphic of {ac} {c} {s} on {b}",
+    "there is {ac} {c} {s}",
+    "an illustration showing {as_} {s} coloured {c}",
+    "{c} {s}, {z} sized",
+    "a picture with one {z} {c} {s}",
+    "a simple graphic of {ac} {c} {s}",
 ]
 ZS_TEMPLATES = [
     "{}.",
@@ -172,11 +168,11 @@ def render(rng: np.random.Generator, size: int = IMAGE_SIZE):
     # centre of the named 3x3 cell, jittered, clamped so the shape stays inside
     margin = r * 1.1
     cell = S / 3.0
-    cx = (col + 0.5) * cell + rng.uniform(-0.2, 0.2) * cell
-    cy = (row + 0.5) * cell + rng.uniform(-0.2, 0.2) * cell
+    cx = (col + 0.5) * cell + rng.uniform(-0.1, 0.1) * cell
+    cy = (row + 0.5) * cell + rng.uniform(-0.1, 0.1) * cell
     cx = float(np.clip(cx, margin, S - margin))
     cy = float(np.clip(cy, margin, S - margin))
-    rot = rng.uniform(-0.3, 0.3)
+    rot = rng.uniform(-0.15, 0.15)
     fill = tuple(int(np.clip(v + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1), 0, 255))
                  for v in COLORS[color])
     bg_img = Image.fromarray(_background(rng, bg, style, size)).resize((S, S), Image.NEAREST)
@@ -200,17 +196,19 @@ def _a(word: str) -> str:
 
 
 def captions(attrs: dict, rng: np.random.Generator) -> tuple[str, str, str]:
-    c, s, z, pos = attrs["color"], attrs["shape"], attrs["size"], attrs["position"]
-    bg = attrs["bg"] if attrs["style"] == "plain" else f"{attrs['style']} {attrs['bg']}"
+    """(raw, synthetic, generated) captions of one image. Every caption names the colour
+    and the shape; none names the position or the background. Those are in the picture
+    but not in the text on purpose: a caption that named colour, position and background
+    would tell most pairs of a 64-batch apart without the shape (6 x 9 x 12 combinations),
+    and the contrastive loss would then barely need shape at all (the v2 set: zero-shot
+    top-1 stuck near 35%, top-5 100%)."""
+    c, s, z = attrs["color"], attrs["shape"], attrs["size"]
     raw = f"{_a(c)} {c} {s}"
-    where = {"center": "in the center", "left": "on the left", "right": "on the right",
-             "top": "at the top", "bottom": "at the bottom"}.get(pos, f"in the {pos}")
-    synthetic = f"{_a(z)} {z} {c} {s} {where} of the image on a {bg} background"
+    synthetic = f"{_a(z)} {z} {c} {s}"
     tmpl = PARAPHRASE_TEMPLATES[rng.integers(len(PARAPHRASE_TEMPLATES))]
     cw = COLOR_SYNONYMS[c][rng.integers(len(COLOR_SYNONYMS[c]))]
     sw = SHAPE_SYNONYMS[s][rng.integers(len(SHAPE_SYNONYMS[s]))]
-    generated = tmpl.format(c=cw, s=sw, p=POSITION_PHRASES[pos], z=z, b=bg,
-                            ac=_a(cw), as_=_a(sw), ab=_a(bg))
+    generated = tmpl.format(c=cw, s=sw, z=z, ac=_a(cw), as_=_a(sw))
     return raw, synthetic, generated
 
 

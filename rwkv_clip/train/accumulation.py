@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import RWKVCLIPError
+from ..tokenizer import fit_context_length
 
 CAPTION_LEN = 77
 NUM_CAPTIONS = 3
@@ -77,11 +78,13 @@ def choose_captions(tokens: torch.Tensor, generator: torch.Generator | None) -> 
 
 def make_micro_batches(images: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor],
                        generator: torch.Generator | None,
-                       device: torch.device) -> list[MicroBatch]:
+                       device: torch.device, ctx_len: int = CAPTION_LEN) -> list[MicroBatch]:
     """Choose captions for all samples of one optimizer step at once (before any
-    caching), then move each micro-batch to ``device``."""
+    caching), fit them to the model's ``ctx_len``, then move each micro-batch to
+    ``device``."""
     sizes = [t.shape[0] for t in tokens]
-    texts = choose_captions(torch.cat(list(tokens)), generator).split(sizes)
+    chosen = fit_context_length(choose_captions(torch.cat(list(tokens)), generator), ctx_len)
+    texts = chosen.split(sizes)
     return [MicroBatch(im.to(device, non_blocking=True), tx.to(device, non_blocking=True))
             for im, tx in zip(images, texts, strict=True)]
 

@@ -207,7 +207,8 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
                                              state.batch_in_epoch // k)
                 micro = MicroBatchLosses(  # exact mode: the K no-grad forwards happen here
                     model, make_micro_batches([p[0] for p in pending], [p[1] for p in pending],
-                                              captions, info.device),
+                                              captions, info.device,
+                                              model.text_model.args.ctx_len),
                     loss_fn, autocast, args.accum_mode)
                 pending = []
                 set_lr(optimizer, *lr_at(state.step, **schedule))
@@ -597,7 +598,12 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.beta1)
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2))
+    # fused: one kernel over all parameters instead of ~10 small ops per tensor; on 2 CPU
+    # cores it is 11 ms instead of 62 ms per step for the small config (same update up to
+    # rounding). The original's AdamW is the plain one.
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                for group in groups for p in group["params"])
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), fused=fused)
 
 
 def lock_towers(model: torch.nn.Module, args, log) -> None:
