@@ -238,7 +238,8 @@ class Text_RWKV(nn.Module):
             raise ValueError(f"Text_RWKV expects token ids of shape (B, T), got {tuple(idx.shape)}")
         if idx.shape[1] > self.args.ctx_len:
             raise ValueError(f"text has {idx.shape[1]} tokens but the model's ctx_len is "
-                             f"{self.args.ctx_len}")
+                             f"{self.args.ctx_len} (tokenize(texts, context_length="
+                             f"{self.args.ctx_len}) or get_tokenizer(model_name) make them)")
         x = x_emb = self.emb(idx)
         if self.args.dropout > 0:
             x = self.drop0(x)

@@ -63,8 +63,10 @@ def test_wheel_list_matches_the_checks_table():
 
 
 def test_every_project_import_is_preinstalled_or_travels():
+    own_modules = {p.stem for folder in ("tests", "scripts") for p in (REPO / folder).glob("*.py")}
     available = (set(sys.stdlib_module_names) | set(gpu_check.WHEEL_DISTS.values())
-                 | set(gpu_check.DEVICE_PREINSTALLED.values()) | {"rwkv_clip"} | OPTIONAL)
+                 | set(gpu_check.DEVICE_PREINSTALLED.values()) | {"rwkv_clip"} | OPTIONAL
+                 | own_modules)  # the tests' and scripts' own helpers travel with the tree
     missing = sorted(project_imports() - available)
     assert not missing, f"imported by the project but neither on the device nor in .whl/: {missing}"
 

@@ -158,9 +158,15 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
     log.info(f"rank {info.rank}/{info.world_size} on {info.device} "
              f"(backend {info.backend or 'none'}); model settings from {source}")
     warn_ignored(args, log.info)
-    prepare_wkv_kernel(info.device, log)  # says so before a first-use compile
-    model = build_model(args, info, log)
-    data = prepare_data(args, info, log)
+    # says so before a first-use compile, which then overlaps the model and data set-up
+    kernel_ready = prepare_wkv_kernel(info.device, log, background=True)
+    try:
+        model = build_model(args, info, log)
+        data = prepare_data(args, info, log)
+    except BaseException:
+        kernel_ready(raise_error=False)
+        raise
+    kernel_ready()
     loss_fn = ClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
                        cache_labels=True, rank=info.rank, world_size=info.world_size)
     optimizer = build_optimizer(model, args)
