@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-EOT_TOKEN = 49407  # "<end_of_text>" in CLIP's BPE
+SOT_TOKEN = 49406  # "<start_of_text>" in CLIP's BPE
+EOT_TOKEN = 49407  # "<end_of_text>"
 
 
 def fit_context_length(tokens: torch.Tensor, context_length: int) -> torch.Tensor:

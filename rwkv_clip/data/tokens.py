@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..tokenizer import EOT_TOKEN, SOT_TOKEN
 from .recordio import DataError
 
 CONTEXT_LENGTH = 77
@@ -197,6 +198,6 @@ def decode_tokens(tokens) -> list[str]:
     arr = np.asarray(tokens, dtype=np.int64).reshape(-1, CONTEXT_LENGTH)
     out = []
     for row in arr:
-        ids = [int(t) for t in row if t not in (0, 49406, 49407)]
+        ids = [int(t) for t in row if t not in (0, SOT_TOKEN, EOT_TOKEN)]
         out.append(_tokenizer.decode(ids).strip())
     return out

@@ -239,16 +239,11 @@ def prepare_wkv_kernel(device: torch.device, log: logging.Logger,
         except BaseException as exc:  # handed to the waiter, raised in the caller's thread
             failure.append(exc)
 
-    if not background:
-        compile_kernel()
-        thread = None
-    else:
-        thread = threading.Thread(target=compile_kernel, name="wkv-kernel-build", daemon=True)
-        thread.start()
+    thread = threading.Thread(target=compile_kernel, name="wkv-kernel-build", daemon=True)
+    thread.start()
 
     def wait(raise_error: bool = True) -> None:
-        if thread is not None:  # never leave a half-written build behind on exit
-            thread.join()
+        thread.join()  # never leave a half-written build behind on exit
         if failure and raise_error:
             raise failure[0]
     if not background:
