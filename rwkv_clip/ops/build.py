@@ -67,7 +67,7 @@ DEFAULT_LOCK_TIMEOUT_S = 1800.0
 # build for these; the last one also as PTX, so newer cards JIT-compile it. 7.5 covers T4s.
 DEFAULT_CUDA_ARCHS = ("7.5", "8.0", "9.0")
 COMPILER_TAIL_LINES = 25
-CACHE_FORMAT = 2  # bump when the folder layout or the key's contents change
+CACHE_FORMAT = 3  # bump when the folder layout or the key's contents change
 
 
 def _error(msg: str) -> Exception:
@@ -308,6 +308,9 @@ class KernelSpec:
     ldflags: tuple[str, ...] = ()
     arch_list: str | None = None    # CUDA builds only
     toolkit: str | None = None      # CUDA toolkit root, CUDA builds only
+    # False: the sources register operators with TORCH_LIBRARY(TORCH_EXTENSION_NAME, ...)
+    # instead of defining a pybind11 module; they are loaded with torch.ops.load_library
+    python_module: bool = True
 
     def key_inputs(self) -> dict:
         """What goes into the key (also written to ``built.json`` for whoever looks)."""
@@ -323,7 +326,8 @@ class KernelSpec:
             "headers": [[p.name, digest(p)] for p in self.headers],
             "cflags": list(self.cflags), "cuda_cflags": list(self.cuda_cflags),
             "ldflags": list(self.ldflags), "arch_list": self.arch_list,
-            "toolkit": self.toolkit, "cxx": os.environ.get("CXX", "c++"),
+            "toolkit": self.toolkit, "python_module": self.python_module,
+            "cxx": os.environ.get("CXX", "c++"),
             "torch": torch.__version__, "torch_cuda": torch.version.cuda,
             "python": platform.python_version(), "machine": platform.machine(),
         }
@@ -409,7 +413,30 @@ def _quiet_logger(name: str):
         logger.setLevel(level)
 
 
-def _import_built(name: str, so: Path):
+class OperatorLibrary:
+    """A build registered with ``TORCH_LIBRARY(name, ...)``: its operators as attributes
+    (``lib.forward(...)`` calls ``torch.ops.<name>.forward``), like a module's functions."""
+
+    def __init__(self, name: str, so: Path):
+        self.name, self.path = name, so
+        self._ops = getattr(torch.ops, name)
+
+    def __getattr__(self, op: str):
+        if op.startswith("_"):
+            raise AttributeError(op)
+        try:
+            return getattr(self._ops, op)
+        except (AttributeError, RuntimeError) as e:
+            raise AttributeError(f"{self.path} defines no operator {op!r}") from e
+
+
+def _import_built(name: str, so: Path, python_module: bool = True):
+    if not python_module:
+        try:
+            torch.ops.load_library(str(so))
+        except OSError as e:  # not a loadable library (half-written, foreign)
+            raise ImportError(str(e)) from e
+        return OperatorLibrary(name, so)
     spec = importlib.util.spec_from_file_location(name, so)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {so}")
@@ -441,7 +468,7 @@ def build_kernel(spec: KernelSpec, verbose: bool = False):
     with build_lock(build_dir / "build.lock", lock_timeout()):
         if marker.is_file() and so.is_file():
             try:
-                return _import_built(name, so)
+                return _import_built(name, so, spec.python_module)
             except ImportError as e:  # a half-written or foreign file: build it again
                 print(f"rwkv_clip: cached WKV kernel {so} does not load ({e}); rebuilding",
                       file=sys.stderr, flush=True)
@@ -466,14 +493,16 @@ def build_kernel(spec: KernelSpec, verbose: bool = False):
                               build_directory=str(build_dir), verbose=verbose,
                               extra_cflags=list(spec.cflags),
                               extra_cuda_cflags=list(spec.cuda_cflags) or None,
-                              extra_ldflags=list(spec.ldflags))
+                              extra_ldflags=list(spec.ldflags),
+                              is_python_module=spec.python_module)
         except (RuntimeError, ImportError, OSError, subprocess.CalledProcessError) as e:
             raise KernelBuildError(
                 f"rwkv_clip: building the WKV kernel for {spec.what} failed (build folder "
                 f"{build_dir}); last lines of the compiler output:\n{_compiler_tail(e)}") from e
         info = dict(spec.key_inputs(), what=spec.what, seconds=round(time.time() - t0, 1))
         marker.write_text(json.dumps(info, indent=1))
-        return module
+        # without a Python module, load() has loaded the library and returns its path
+        return module if spec.python_module else OperatorLibrary(name, so)
 
 
 def _loaded_or_build(cache_key: tuple, make_spec, verbose: bool):
@@ -499,7 +528,7 @@ def cpu_kernel_spec() -> KernelSpec:
                       sources=(source_dir() / "wkv6_cpu.cpp",),
                       # -fno-trapping-math lets the kernel's exp polynomial vectorise
                       cflags=("-O3", "-fopenmp", "-fno-trapping-math", *isa),
-                      ldflags=("-fopenmp",))
+                      ldflags=("-fopenmp",), python_module=False)
 
 
 def is_built(spec: KernelSpec) -> bool:
