@@ -19,7 +19,9 @@ Choices (documented because they differ in detail from DALI):
   Train: RandomResizedCrop (area 0.7-1.0, aspect 0.8-1.25, 100 attempts, centre crop
   fallback, as DALI's ``image_random_crop``), resize to S x S bilinear, horizontal flip
   with p=0.5, CLIP mean/std. Eval: resize the shorter side to ``int(256/224*S)``, centre
-  crop S. JPEGs are decoded with PIL's draft mode at no less than 2S on the short side.
+  crop S. JPEGs are decoded with PIL's draft mode at no less than 2S on the short side,
+  by :func:`.decoding.decode_image`, which accepts exactly the images DALI's CPU decoder
+  accepts (on damaged JPEGs, where PIL alone differs at the margin).
 * ``skip_corrupt``: a record that fails to read or decode is replaced by the next
   readable one of the same shard and counted (``loader.skipped``, also per epoch in
   ``loader.skipped_epoch``); otherwise a :class:`DataError` naming file and record is
@@ -28,7 +30,6 @@ Choices (documented because they differ in detail from DALI):
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import random
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .decoding import decode_image, undecodable
 from .recordio import DataError, RecordIOReader, unpack
 from .tokens import normalize_labels
 
@@ -148,13 +150,6 @@ def _to_tensor(im: Image.Image, mean, std) -> torch.Tensor:
     return (t - m) / s
 
 
-def decode_image(data: bytes, min_side: int) -> Image.Image:
-    im = Image.open(io.BytesIO(data))
-    if im.format == "JPEG":
-        im.draft("RGB", (min_side, min_side))
-    return im.convert("RGB")
-
-
 def train_transform(im: Image.Image, size: int, rng: random.Random) -> torch.Tensor:
     x, y, cw, ch = random_resized_crop_params(im.width, im.height, rng)
     im = im.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
@@ -174,11 +169,6 @@ def eval_transform(im: Image.Image, size: int) -> torch.Tensor:
     left, top = (nw - size) // 2, (nh - size) // 2
     im = im.crop((left, top, left + size, top + size))
     return _to_tensor(im, CLIP_MEAN, CLIP_STD)
-
-
-def undecodable(exc: BaseException) -> str:
-    """The reason given for an image PIL cannot decode (every loader words it so)."""
-    return f"undecodable image ({type(exc).__name__}: {exc})"
 
 
 def image_tensor(data: bytes, size: int, train: bool, draw: tuple, where: tuple) -> torch.Tensor:
