@@ -92,7 +92,7 @@ def _fully_decoded_despite_error(data: bytes, min_side: int) -> Image.Image | No
     out = []
     for fill in (0, 255):
         im = _open(data, min_side)
-        im.im = Image.core.fill(im.mode, im.size, (fill,) * len(im.getbands()))
+        im.im = Image.new(im.mode, im.size, (fill,) * len(im.getbands())).im
         try:
             im.load()
         except OSError as e:
