@@ -49,8 +49,13 @@ Differences from the original, on purpose:
   then located by reading the data as the torch loader does, and raised as the same
   DataError the torch loader gives, or, with ``skip_corrupt`` (``.rec``), dropped and
   counted: the epoch's pipeline is rebuilt without it and advanced to where it stood.
-  Decoders differ at the margin: an image DALI decodes but PIL refuses (or the reverse)
-  is trained on by one loader and skipped by the other.
+  Whether an image decodes is one predicate for both loaders
+  (:func:`.decoding.decode_image`: PIL with DALI's CPU rules - nvImageCodec's header
+  check, errors after the last pixel row tolerated), so on damaged JPEGs both train on
+  and skip the same records. An image DALI refuses while the predicate accepts it (none
+  in the measured set; GPU decoding, nvJPEG, is not covered by the measurement) cannot
+  be located: DALI then stops with "DALI failed and no bad record was found in Python",
+  with or without ``skip_corrupt``.
 * On GPU, images come back as CUDA tensors and tokens as CPU int64 tensors (as the
   original: its labels were moved with ``.cuda()`` in the training loop).
 """
@@ -263,11 +268,12 @@ def _find_bad_rec(rec_prefix: str, entries, first_only: bool):
     """``find_bad`` of a .rec: after a DALI failure, the records to blame, as
     [(reason, file, key)] - the torch loader's own checks and wording: the full
     structural check (cheap, now with label values), then reading each record as the
-    torch loader does (labels, PIL decoding), bounded by ``DIAGNOSE_SECONDS`` so a huge
-    file never turns an error into a long stall."""
+    torch loader does (labels, :func:`.decoding.decode_image`), bounded by
+    ``DIAGNOSE_SECONDS`` so a huge file never turns an error into a long stall."""
     import time
 
-    from .torch_loader import RecSource, decode_image, undecodable
+    from .decoding import decode_image, undecodable
+    from .torch_loader import RecSource
 
     def find_bad(exc, dropped=frozenset()):
         chk = check_rec(rec_prefix, level="full")
@@ -288,7 +294,7 @@ def _find_bad_rec(rec_prefix: str, entries, first_only: bool):
             else:
                 try:
                     decode_image(image, 16).load()
-                except Exception as e:  # PIL/OSError/...: the torch loader's wording
+                except Exception as e:  # OSError/PIL's errors: the torch loader's wording
                     found.append((undecodable(e), *src.name(i)))
             if found and first_only:
                 break
@@ -298,7 +304,8 @@ def _find_bad_rec(rec_prefix: str, entries, first_only: bool):
 
 def _find_bad_wds(index, first_only: bool):
     """``find_bad`` of WebDataset shards (see :func:`_find_bad_rec`)."""
-    from .torch_loader import WdsSource, decode_image, undecodable
+    from .decoding import decode_image, undecodable
+    from .torch_loader import WdsSource
 
     def find_bad(exc, dropped=frozenset()):
         src = WdsSource(index)

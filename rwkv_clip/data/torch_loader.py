@@ -19,16 +19,18 @@ Choices (documented because they differ in detail from DALI):
   Train: RandomResizedCrop (area 0.7-1.0, aspect 0.8-1.25, 100 attempts, centre crop
   fallback, as DALI's ``image_random_crop``), resize to S x S bilinear, horizontal flip
   with p=0.5, CLIP mean/std. Eval: resize the shorter side to ``int(256/224*S)``, centre
-  crop S. JPEGs are decoded with PIL's draft mode at no less than 2S on the short side.
+  crop S. JPEGs are decoded with PIL's draft mode at no less than 2S on the short side,
+  by :func:`.decoding.decode_image`, which accepts exactly the images DALI's CPU decoder
+  accepts (on damaged JPEGs, where PIL alone differs at the margin).
 * ``skip_corrupt``: a record that fails to read or decode is replaced by the next
-  readable one of the same shard and counted (``loader.skipped``, also per epoch in
-  ``loader.skipped_epoch``); otherwise a :class:`DataError` naming file and record is
+  readable one of the same shard and counted once per epoch, however many samples met it
+  (``loader.skipped``, also per epoch in ``loader.skipped_epoch``; DALI counts the same
+  way); otherwise a :class:`DataError` naming file and record is
   raised.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import random
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .decoding import decode_image, undecodable
 from .recordio import DataError, RecordIOReader, unpack
 from .tokens import normalize_labels
 
@@ -148,13 +151,6 @@ def _to_tensor(im: Image.Image, mean, std) -> torch.Tensor:
     return (t - m) / s
 
 
-def decode_image(data: bytes, min_side: int) -> Image.Image:
-    im = Image.open(io.BytesIO(data))
-    if im.format == "JPEG":
-        im.draft("RGB", (min_side, min_side))
-    return im.convert("RGB")
-
-
 def train_transform(im: Image.Image, size: int, rng: random.Random) -> torch.Tensor:
     x, y, cw, ch = random_resized_crop_params(im.width, im.height, rng)
     im = im.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
@@ -174,11 +170,6 @@ def eval_transform(im: Image.Image, size: int) -> torch.Tensor:
     left, top = (nw - size) // 2, (nh - size) // 2
     im = im.crop((left, top, left + size, top + size))
     return _to_tensor(im, CLIP_MEAN, CLIP_STD)
-
-
-def undecodable(exc: BaseException) -> str:
-    """The reason given for an image PIL cannot decode (every loader words it so)."""
-    return f"undecodable image ({type(exc).__name__}: {exc})"
 
 
 def image_tensor(data: bytes, size: int, train: bool, draw: tuple, where: tuple) -> torch.Tensor:
@@ -233,19 +224,19 @@ class ImageTextDataset(torch.utils.data.Dataset):
     def __getitem__(self, item):
         # the sampler sends (index, epoch) so persistent workers see the current epoch
         i, self.epoch = item if isinstance(item, tuple) else (item, self.epoch)
-        skipped = 0
+        failed: list[int] = []  # the bad records tried in place of sample i
         n = len(self.source)
         j = i
         while True:
             try:
                 img, tok = self._load(j)
-                return img, tok, skipped
+                return img, tok, failed
             except DataError as e:
-                if not self.skip_corrupt or skipped >= min(MAX_SKIP_TRIES, n - 1):
+                if not self.skip_corrupt or len(failed) >= min(MAX_SKIP_TRIES, n - 1):
                     # returned, not raised: raised in a worker it would reach the user as
                     # a worker traceback; the main process raises it (TorchLoader.__iter__)
                     return _Failed(e)
-                skipped += 1
+                failed.append(j)
                 j = (j + 1) % n
 
 
@@ -262,7 +253,7 @@ def _collate(batch):
         return failed[0]
     imgs = torch.stack([b[0] for b in batch])
     toks = torch.stack([b[1] for b in batch]).to(torch.int64)
-    return imgs, toks, sum(b[2] for b in batch)
+    return imgs, toks, [j for b in batch for j in b[2]]
 
 
 class ShardSampler(torch.utils.data.Sampler):
@@ -353,11 +344,14 @@ class TorchLoader:
         self.dataset.epoch = self.epoch
         self.sampler.set_epoch(self.epoch)
         self.skipped_epoch = 0
+        met: set[int] = set()  # bad records met this epoch: each counts once, as in DALI
         for batch in self._loader:
             if isinstance(batch, _Failed):
                 self._stop_workers()
                 raise batch.error
-            imgs, toks, skipped = batch
+            imgs, toks, failed = batch
+            skipped = len(set(failed) - met)
+            met.update(failed)
             if skipped:
                 self.skipped += skipped
                 self.skipped_epoch += skipped
