@@ -210,7 +210,7 @@ def _nothing_to_wait_for(raise_error: bool = True) -> None:
 def prepare_wkv_kernel(device: torch.device, log: logging.Logger,
                        background: bool = False) -> Callable[..., None]:
     """Build (or load) the CPU WKV kernel before the first step, saying so when it is not
-    in the kernel cache yet: the first use compiles it, which takes about 40 s without a
+    in the kernel cache yet: the first use compiles it, which takes about 20 s without a
     word otherwise. Other devices and the pure-PyTorch backend need nothing here.
 
     Returns ``wait(raise_error=True)``: it waits for the kernel and raises the build's
@@ -218,7 +218,7 @@ def prepare_wkv_kernel(device: torch.device, log: logging.Logger,
     one to report).
     ``background=True`` compiles in a thread (the compiler is a subprocess, so the GIL is
     free) while the caller builds the model and generates the data: on a fresh clone the
-    ~40 s build and the ~20 s dataset generation then overlap instead of adding up."""
+    ~20 s build and the ~20 s dataset generation then overlap instead of adding up."""
     if torch.device(device).type != "cpu":
         return _nothing_to_wait_for
     if os.environ.get("RWKV_CLIP_WKV_BACKEND", "").strip().lower() == "reference":
@@ -227,7 +227,7 @@ def prepare_wkv_kernel(device: torch.device, log: logging.Logger,
 
     if build.cpu_kernel_cached():
         return _nothing_to_wait_for
-    log.info(f"preparing the WKV CPU kernel (first use compiles it, ~40 s; cached in "
+    log.info(f"preparing the WKV CPU kernel (first use compiles it, ~20 s; cached in "
              f"{build.cache_root()})")
     t0 = time.time()
     failure: list[BaseException] = []
