@@ -22,6 +22,7 @@ from .layers.time_mix import (
     fancy_bonus_init,
     fancy_decay_init,
     fancy_time_mix_init,
+    glue_dtype,
 )
 
 
@@ -98,12 +99,13 @@ class VRWKV_ChannelMix_V6(nn.Module):
         self.value = nn.Linear(hidden_sz, n_embd, bias=False)
 
     def mix(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
+        x = x.to(glue_dtype(x))  # under autocast: the dtype key/receptance cast to anyway
         xx = q_shift_multihead(x, self.shift_pixel, self.head_size, patch_resolution,
                                self.with_cls_token)
         # Note the convention: spatial_mix_* weights x itself (the text tower's time_maa_k
-        # weights the shifted neighbour instead).
-        xk = x * self.spatial_mix_k + xx * (1 - self.spatial_mix_k)
-        xr = x * self.spatial_mix_r + xx * (1 - self.spatial_mix_r)
+        # weights the shifted neighbour instead): x * m + xx * (1 - m), both in one lerp.
+        mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(x.dtype)
+        xk, xr = torch.lerp(xx, x, mix).unbind(0)
         k = torch.square(torch.relu(self.key(xk)))
         if self.key_norm is not None:
             k = self.key_norm(k)

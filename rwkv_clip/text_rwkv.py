@@ -23,6 +23,7 @@ from .layers.time_mix import (
     fancy_bonus_init,
     fancy_decay_init,
     fancy_time_mix_init,
+    glue_dtype,
 )
 
 
@@ -80,10 +81,12 @@ class RWKV_CMix_V6(nn.Module):
         self.value = nn.Linear(args.dim_ffn, args.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Opposite convention to the image tower: time_maa_* weights the neighbour.
-        xx = bidirectional_shift_multihead(x, 1, self.args.head_size) - x
-        xk = x + xx * self.time_maa_k
-        xr = x + xx * self.time_maa_r
+        # Opposite convention to the image tower: time_maa_* weights the neighbour,
+        # x + (shift(x) - x) * m, both in one lerp (in the autocast dtype under autocast).
+        x = x.to(glue_dtype(x))
+        shifted = bidirectional_shift_multihead(x, 1, self.args.head_size)
+        mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(x.dtype)
+        xk, xr = torch.lerp(x, shifted, mix).unbind(0)
         k = torch.relu(self.key(xk)) ** 2
         return torch.sigmoid(self.receptance(xr)) * self.value(k)
 

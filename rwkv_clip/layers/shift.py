@@ -15,6 +15,11 @@ def q_shift_multihead(x: torch.Tensor, shift_pixel: int = 1, head_dim: int = 64,
 
     x: (B, N, C) tokens in row-major grid order; a cls token, if any, sits last and
     is passed through unshifted.
+
+    Works on the token-major layout itself, a (B, H, W, heads, head_dim) view of x
+    (the original transposes to channel-major and back, two copies, and its
+    zeros-then-assign writes the output twice): each quarter is copied once into an
+    uninitialised output and only its border row/column is zeroed.
     """
     B, N, C = x.shape
     if C % head_dim or head_dim % 4:
@@ -25,14 +30,19 @@ def q_shift_multihead(x: torch.Tensor, shift_pixel: int = 1, head_dim: int = 64,
     if patch_resolution is None:
         raise ValueError("q-shift needs the patch grid (patch_resolution=(H, W))")
     H, W = patch_resolution
-    grid = x.transpose(1, 2).reshape(B, C // head_dim, head_dim, H, W)
-    out = torch.zeros_like(grid)
+    grid = x.reshape(B, H, W, C // head_dim, head_dim)
+    out = torch.empty_like(grid, memory_format=torch.contiguous_format)
     q, s = head_dim // 4, shift_pixel
-    out[:, :, 0 * q:1 * q, :, s:] = grid[:, :, 0 * q:1 * q, :, :W - s]   # from the left
-    out[:, :, 1 * q:2 * q, :, :W - s] = grid[:, :, 1 * q:2 * q, :, s:]   # from the right
-    out[:, :, 2 * q:3 * q, s:, :] = grid[:, :, 2 * q:3 * q, :H - s, :]   # from above
-    out[:, :, 3 * q:4 * q, :H - s, :] = grid[:, :, 3 * q:4 * q, s:, :]   # from below
-    out = out.reshape(B, C, H * W).transpose(1, 2)
+    a, b, c = q, 2 * q, 3 * q
+    out[:, :, s:, :, :a] = grid[:, :, :W - s, :, :a]      # from the left
+    out[:, :, :s, :, :a] = 0
+    out[:, :, :W - s, :, a:b] = grid[:, :, s:, :, a:b]    # from the right
+    out[:, :, W - s:, :, a:b] = 0
+    out[:, s:, :, :, b:c] = grid[:, :H - s, :, :, b:c]    # from above
+    out[:, :s, :, :, b:c] = 0
+    out[:, :H - s, :, :, c:] = grid[:, s:, :, :, c:]      # from below
+    out[:, H - s:, :, :, c:] = 0
+    out = out.view(B, H * W, C)
     if with_cls_token:
         out = torch.cat((out, cls_token), dim=1)
     return out
@@ -40,14 +50,19 @@ def q_shift_multihead(x: torch.Tensor, shift_pixel: int = 1, head_dim: int = 64,
 
 def bidirectional_shift_multihead(x: torch.Tensor, shift_pixel: int = 1,
                                   head_dim: int = 64) -> torch.Tensor:
-    """Text shift: per head, the first half of channels from t-1, the second from t+1."""
+    """Text shift: per head, the first half of channels from t-1, the second from t+1.
+
+    In the token-major layout, as :func:`q_shift_multihead` (one copy, borders zeroed).
+    """
     B, N, C = x.shape
     if C % head_dim or head_dim % 4:
         raise ValueError(f"shift: C={C}, head_dim={head_dim} (need C % head_dim == 0, "
                          "head_dim % 4 == 0)")
-    seq = x.transpose(1, 2).reshape(B, C // head_dim, head_dim, N)
-    out = torch.zeros_like(seq)
+    seq = x.reshape(B, N, C // head_dim, head_dim)
+    out = torch.empty_like(seq, memory_format=torch.contiguous_format)
     half, s = head_dim // 2, shift_pixel
-    out[:, :, :half, s:] = seq[:, :, :half, :N - s]
-    out[:, :, half:, :N - s] = seq[:, :, half:, s:]
-    return out.reshape(B, C, N).transpose(1, 2)
+    out[:, s:, :, :half] = seq[:, :N - s, :, :half]
+    out[:, :s, :, :half] = 0
+    out[:, :N - s, :, half:] = seq[:, s:, :, half:]
+    out[:, N - s:, :, half:] = 0
+    return out.view(B, N, C)

@@ -49,6 +49,20 @@ def fancy_bonus_init(dim_att: int, layer_id: int, n_layer: int) -> list[float]:
             for n in range(dim_att)]
 
 
+def glue_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the token-shift / lerp / LoRA glue for input x.
+
+    Without autocast, x's dtype (the original's arithmetic). Under autocast, the autocast
+    dtype: every lerp feeds a matmul that autocast would cast to it anyway, so x and
+    the float32 ``time_maa_*`` are cast once instead of each lerp being promoted back to
+    float32 and then copied down (the original's promotion). The golden bf16-autocast
+    checks (tests/test_model_parity.py) bound the difference this makes.
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 class TimeMixBase(nn.Module):
     """Shared forward of the RWKV-6 time mix; subclasses own parameters and shift."""
 
@@ -78,18 +92,23 @@ class TimeMixBase(nn.Module):
         raise NotImplementedError
 
     def projections(self, x: torch.Tensor, **shift_kwargs):
-        """r, k, v, gate and decay logits from x and its shifted neighbours."""
-        B, T, C = x.shape
-        xx = self.shift(x, **shift_kwargs) - x
-        xxx = x + xx * self.time_maa_x
-        xxx = torch.tanh(xxx @ self.time_maa_w1).view(B * T, 5, -1).transpose(0, 1)
-        mw, mk, mv, mr, mg = torch.bmm(xxx, self.time_maa_w2).view(5, B, T, -1).unbind(dim=0)
+        """r, k, v, gate and decay logits from x and its shifted neighbours.
 
-        xw = x + xx * (self.time_maa_w + mw)
-        xk = x + xx * (self.time_maa_k + mk)
-        xv = x + xx * (self.time_maa_v + mv)
-        xr = x + xx * (self.time_maa_r + mr)
-        xg = x + xx * (self.time_maa_g + mg)
+        The six lerps ``x + (shift(x) - x) * m`` are ``torch.lerp(x, shift(x), m)``, the
+        five data-dependent ones as one (5, B, T, C) lerp. Under autocast the glue runs in
+        the autocast dtype (see :func:`glue_dtype`); the decay logits w keep the original
+        promotion (``time_decay`` + LoRA: float32 in the image tower, bf16 in the text).
+        """
+        B, T, C = x.shape
+        dtype = glue_dtype(x)
+        x = x.to(dtype)
+        shifted = self.shift(x, **shift_kwargs)
+        xxx = torch.lerp(x, shifted, self.time_maa_x.to(dtype))
+        xxx = torch.tanh(xxx @ self.time_maa_w1).view(B * T, 5, -1).transpose(0, 1)
+        mix = torch.bmm(xxx, self.time_maa_w2).view(5, B, T, C)
+        maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
+                         self.time_maa_g)).to(dtype)  # (5, 1, C): broadcasts over (B, T)
+        xw, xk, xv, xr, xg = torch.lerp(x, shifted, mix + maa.unsqueeze(1)).unbind(0)
 
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
         g = F.silu(self.gate(xg))
@@ -100,7 +119,7 @@ class TimeMixBase(nn.Module):
         """Per-head GroupNorm of the WKV output, gated, projected back."""
         B, T, C = y.shape
         y = self.ln_x(y.view(B * T, C)).view(B, T, C)
-        return self.output(y * g)
+        return self.output(y.to(g.dtype) * g)  # under autocast: the dtype output casts to
 
     def mix(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
         r, k, v, g, w = self.projections(x, **shift_kwargs)

@@ -86,15 +86,22 @@ def parameter_table(args: Any) -> ParamTable:
 
 # ----------------------------------------------------------------------------- walker
 class Sym:
-    """A symbolic tensor: element count and dtype. Identity = Python identity."""
-    __slots__ = ("n", "dtype", "param", "__weakref__")
+    """A symbolic tensor: element count and dtype. Identity = Python identity; a view
+    (``base`` set) is saved as its base's storage, counted once however many views of it
+    are saved."""
+    __slots__ = ("n", "dtype", "param", "base", "__weakref__")
 
-    def __init__(self, n: int, dtype: str, param: bool = False) -> None:
-        self.n, self.dtype, self.param = int(n), dtype, param
+    def __init__(self, n: int, dtype: str, param: bool = False,
+                 base: Sym | None = None) -> None:
+        self.n, self.dtype, self.param, self.base = int(n), dtype, param, base
 
     @property
     def nbytes(self) -> int:
         return self.n * _SIZES[self.dtype]
+
+    def split(self, parts: int) -> list[Sym]:
+        """``unbind(0)`` of a stacked tensor: ``parts`` views sharing this storage."""
+        return [Sym(self.n // parts, self.dtype, self.param, self) for _ in range(parts)]
 
 
 class Walker:
@@ -115,6 +122,7 @@ class Walker:
 
     def save(self, *tensors: Sym) -> None:
         for t in tensors:
+            t = t.base or t
             if not t.param:
                 self.saved[id(t)] = t
 
@@ -142,6 +150,14 @@ class Walker:
             return Sym(x.n, self.amp, param=True)
         return Sym(x.n, self.amp)
 
+    def glue(self, x: Sym) -> Sym:
+        """``x.to(glue_dtype(x))`` (rwkv_clip.layers.time_mix.glue_dtype): under autocast a
+        copy in the autocast dtype (of a parameter too: a fresh tensor, not autocast's weight
+        cache); without, x itself. The cast saves nothing."""
+        if self.amp is None or x.dtype == self.amp:
+            return x
+        return Sym(x.n, self.amp)
+
     def _fp32_in(self, op: str, x: Sym) -> Sym:
         if self.amp is not None and op in _FP32_OPS[self.device] and x.dtype != "fp32":
             return Sym(x.n, "fp32")
@@ -158,6 +174,15 @@ class Walker:
         xi, wi = self._lowp_in(x), self._lowp_in(w)
         self.save(xi, wi)
         return self.new(x.n // n_in * n_out, self.amp or _promote(x.dtype, w.dtype))
+
+    def lerp(self, start: Sym, end: Sym, weight: Sym, stacked: int = 1) -> Sym:
+        """torch.lerp(start, end, weight), all three requiring grad: saves all three
+        (d/dstart = 1 - weight, d/dend = weight, d/dweight = end - start). ``stacked``: a
+        weight with a leading (stacked, 1, ...) dimension broadcasts start/end (B, T, C)
+        into that many lerps in one (stacked, B, T, C) result."""
+        self.save(start, end, weight)
+        return self.new(stacked * max(start.n, end.n),
+                        _promote(_promote(start.dtype, end.dtype), weight.dtype))
 
     def add(self, a: Sym, b: Sym) -> Sym:  # add/sub save nothing
         return self.new(max(a.n, b.n), _promote(a.dtype, b.dtype))
@@ -210,25 +235,25 @@ class Plan:
 # ----------------------------------------------------------------------------- towers
 def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
               amp_grad: str) -> tuple[Sym, int, int]:
-    """RWKV-6 time mix (both towers); returns (output, backward workspace, inference peak)."""
+    """RWKV-6 time mix (both towers; ``TimeMixBase.projections`` / ``output_projection``);
+    returns (output, backward workspace, inference peak)."""
     n = a.n
     na = n // C * A
     P = lambda numel, dt="fp32": Sym(numel, dt, param=True)
-    sh = w.new(n, a.dtype)                               # token shift output
-    xx = w.add(sh, a)                                    # shift(x) - x
-    xxx = w.add(a, w.mul(xx, P(C)))                      # x + xx * time_maa_x
+    x = w.glue(a)                                        # the glue's dtype (autocast's)
+    sh = w.new(n, x.dtype)                               # token shift: one copy
+    xxx = w.lerp(x, sh, w.glue(P(C)))                    # lerp(x, shift(x), time_maa_x)
     m1 = w.matmul(xxx, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
     t1 = w.unary_saves_result(m1)                        # tanh
-    mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm -> 5 x (B,T,C)
-    mixes = {}
-    for name in "wkvrg":
-        s = w.add(P(C), Sym(n, mm.dtype))                # time_maa_* + m*
-        mixes[name] = w.add(a, w.mul(xx, s))
-    r = w.matmul(mixes["r"], P(C * A), C, A)
-    k = w.matmul(mixes["k"], P(C * A), C, A)
-    v = w.matmul(mixes["v"], P(C * A), C, A)
-    g = w.silu(w.matmul(mixes["g"], P(C * A), C, A))
-    d1 = w.matmul(mixes["w"], P(C * TIME_DECAY_EXTRA_DIM), C, TIME_DECAY_EXTRA_DIM)
+    mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm: (5,B,T,C)
+    maa = w.glue(Sym(5 * C, "fp32"))                     # cat of time_maa_w/k/v/r/g
+    mixed = w.lerp(x, sh, w.add(mm, maa), stacked=5)     # one (5, B, T, C) lerp
+    xw, xk, xv, xr, xg = mixed.split(5)                  # unbind: views of one storage
+    r = w.matmul(xr, P(C * A), C, A)
+    k = w.matmul(xk, P(C * A), C, A)
+    v = w.matmul(xv, P(C * A), C, A)
+    g = w.silu(w.matmul(xg, P(C * A), C, A))
+    d1 = w.matmul(xw, P(C * TIME_DECAY_EXTRA_DIM), C, TIME_DECAY_EXTRA_DIM)
     d2 = w.matmul(w.unary_saves_result(d1), P(TIME_DECAY_EXTRA_DIM * A),
                   TIME_DECAY_EXTRA_DIM, A)
     decay = w.add(P(A, decay_dtype), d2)
@@ -236,32 +261,32 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     w.save(r, k, v, decay)
     y = w.new(na, "fp32")
     yn = w.norm_layer("group_norm", y, (na // A) * H)  # mean/rstd per (row, head)
-    out = w.matmul(w.mul(yn, g), P(A * C), A, C)
+    out = w.matmul(w.mul(w.glue(yn), g), P(A * C), A, C)  # y.to(g.dtype) * g
     b = _SIZES
-    # backward working set: the five lerp gradients plus their stacked copy (bmm
-    # backward), the gradients of xx and x; WKV backward: gr/gk/gv/gw + gy in fp32 and
-    # their casts back to the input dtypes.
-    ws_lerp = 10 * n * b[mm.dtype] + 2 * n * 4
+    # backward working set: the stacked lerp's output gradient (the five matmul input
+    # gradients stacked by unbind's backward), its weight gradient and one (5,B,T,C)
+    # temporary of lerp's backward, the gradients of x and shift(x); WKV backward:
+    # gr/gk/gv/gw + gy in fp32 and their casts back to the input dtypes.
+    ws_lerp = 15 * n * b[x.dtype] + 2 * n * 4
     ws_wkv = 5 * na * 4 + 3 * na * b[amp_grad]
-    # no_grad working set inside the projections: x, a, xx, the five lerped inputs and
-    # the decay (dtype of a), the bmm output (5), r, k, v, g, d2 and one cast input.
-    inf = (3 + 6) * n * b[a.dtype] + 5 * n * b[mm.dtype] + 5 * na * b[r.dtype] + n * b[r.dtype]
+    # no_grad working set inside the projections: a (held by the caller), its glue copy,
+    # the shift, the bmm output (5) and the lerped (5) inputs, then the larger of the
+    # lerp weight (5) and r, k, v, g with one more activation.
+    inf = (n * b[a.dtype] + (x is not a) * n * b[x.dtype] + 11 * n * b[x.dtype]
+           + max(5 * n * b[x.dtype], 5 * na * b[r.dtype]))
     return out, max(ws_lerp, ws_wkv), inf
 
 
 def _channel_mix(w: Walker, bx: Sym, C: int, Fh: int, image: bool) -> tuple[Sym, int, int]:
+    """Channel mix of either tower: both mixes as one (2, B, T, C) lerp (image:
+    lerp(shift(x), x, spatial_mix_*); text: lerp(x, shift(x), time_maa_*), same saves)."""
     n = bx.n
     nf = n // C * Fh
     P = lambda numel: Sym(numel, "fp32", param=True)
-    sh = w.new(n, bx.dtype)
-    if image:   # xk = x * m + shift(x) * (1 - m)
-        one_minus = Sym(C, "fp32")
-        xk = w.add(w.mul(bx, P(C)), w.mul(sh, one_minus))
-        xr = w.add(w.mul(bx, P(C)), w.mul(sh, Sym(C, "fp32")))
-    else:       # xk = x + (shift(x) - x) * time_maa_k
-        xx = w.add(sh, bx)
-        xk = w.add(bx, w.mul(xx, P(C)))
-        xr = w.add(bx, w.mul(xx, P(C)))
+    x = w.glue(bx)
+    sh = w.new(n, x.dtype)
+    mix = w.glue(Sym(2 * C, "fp32"))                   # cat of the two mix parameters
+    xk, xr = (w.lerp(sh, x, mix, 2) if image else w.lerp(x, sh, mix, 2)).split(2)
     kk = w.unary_saves_result(w.matmul(xk, P(C * Fh), C, Fh))   # relu
     k2 = w.pow2(kk)
     val = w.matmul(k2, P(Fh * C), Fh, C)
@@ -269,7 +294,10 @@ def _channel_mix(w: Walker, bx: Sym, C: int, Fh: int, image: bool) -> tuple[Sym,
     out = w.mul(rr, val)
     b = _SIZES
     ws = 3 * nf * b[k2.dtype] + 2 * n * 4
-    inf = 5 * n * b[bx.dtype] + nf * b[kk.dtype] + 2 * nf * b[k2.dtype]
+    # no_grad: bx (held by the caller), its glue copy, the shift, the two lerped inputs,
+    # one C-sized result; the hidden activation and its square (two of its size).
+    inf = (n * b[bx.dtype] + (x is not bx) * n * b[x.dtype] + 4 * n * b[x.dtype]
+           + nf * b[kk.dtype] + 2 * nf * b[k2.dtype])
     return out, ws, inf
 
 
