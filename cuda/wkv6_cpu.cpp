@@ -452,7 +452,10 @@ std::vector<at::Tensor> wkv6_backward(const at::Tensor& r, const at::Tensor& k, 
 
 }  // namespace
 
-// forward(r, k, v, w, u) -> y (float32); backward(r, k, v, w, u, gy) -> [gr, gk, gv, gw, gu]
+// forward(r, k, v, w, u) -> y (float32); backward(r, k, v, w, u, gy) -> [gr, gk, gv, gw, gu].
+// The builder names the library (TORCH_EXTENSION_NAME) after the build and its folder: a
+// namespace can be registered once per process, and one build can be loaded from two
+// cache folders.
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
     m.def("forward", &wkv6_forward);
     m.def("backward", &wkv6_backward);

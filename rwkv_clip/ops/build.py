@@ -413,13 +413,27 @@ def _quiet_logger(name: str):
         logger.setLevel(level)
 
 
-class OperatorLibrary:
-    """A build registered with ``TORCH_LIBRARY(name, ...)``: its operators as attributes
-    (``lib.forward(...)`` calls ``torch.ops.<name>.forward``), like a module's functions."""
+def library_namespace(name: str, build_dir: Path) -> str:
+    """The operator namespace of the library built in ``build_dir``.
 
-    def __init__(self, name: str, so: Path):
-        self.name, self.path = name, so
-        self._ops = getattr(torch.ops, name)
+    A namespace can be registered once per process (a second ``TORCH_LIBRARY`` of the
+    same name aborts it), and the same build (same ``name``) may be loaded from two cache
+    folders in one process (``$RWKV_CLIP_KERNEL_CACHE`` changed, tests). So the folder's
+    path joins the name. It is the library's file name and ``TORCH_EXTENSION_NAME`` (the
+    build key does not see it); a moved cache folder therefore builds afresh."""
+    where = hashlib.sha256(str(build_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{name}_{where}"
+
+
+class OperatorLibrary:
+    """A build registered with ``TORCH_LIBRARY(namespace, ...)``: its operators as
+    attributes (``lib.forward(...)`` calls ``torch.ops.<namespace>.forward``)."""
+
+    def __init__(self, namespace: str, so: Path):
+        self.name, self.path = namespace, so
+        self._ops = getattr(torch.ops, namespace)
+        if not hasattr(self._ops, "forward"):
+            raise ImportError(f"{so} does not register the operators {namespace}.*")
 
     def __getattr__(self, op: str):
         if op.startswith("_"):
@@ -432,11 +446,13 @@ class OperatorLibrary:
 
 def _import_built(name: str, so: Path, python_module: bool = True):
     if not python_module:
-        try:
-            torch.ops.load_library(str(so))
-        except OSError as e:  # not a loadable library (half-written, foreign)
-            raise ImportError(str(e)) from e
-        return OperatorLibrary(name, so)
+        namespace = name
+        if not hasattr(getattr(torch.ops, namespace), "forward"):  # not loaded yet
+            try:
+                torch.ops.load_library(str(so))
+            except OSError as e:  # not a loadable library (half-written, foreign)
+                raise ImportError(str(e)) from e
+        return OperatorLibrary(namespace, so)
     spec = importlib.util.spec_from_file_location(name, so)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {so}")
@@ -461,8 +477,8 @@ def build_kernel(spec: KernelSpec, verbose: bool = False):
     build. Compiler and loader failures raise :class:`KernelBuildError`."""
     import subprocess
 
-    name = spec.name
-    build_dir = cache_root() / name
+    build_dir = cache_root() / spec.name
+    name = _module_name(spec, build_dir)
     so = build_dir / f"{name}.so"
     marker = build_dir / "built.json"
     with build_lock(build_dir / "build.lock", lock_timeout()):
@@ -531,10 +547,16 @@ def cpu_kernel_spec() -> KernelSpec:
                       ldflags=("-fopenmp",), python_module=False)
 
 
+def _module_name(spec: KernelSpec, build_dir: Path) -> str:
+    """The module's or library's name, also its file's (``NAME.so``)."""
+    return spec.name if spec.python_module else library_namespace(spec.name, build_dir)
+
+
 def is_built(spec: KernelSpec) -> bool:
     """True when ``spec``'s kernel is in the cache (loading it compiles nothing)."""
     build_dir = cache_root() / spec.name
-    return (build_dir / "built.json").is_file() and (build_dir / f"{spec.name}.so").is_file()
+    so = build_dir / f"{_module_name(spec, build_dir)}.so"
+    return (build_dir / "built.json").is_file() and so.is_file()
 
 
 def cpu_kernel_cached() -> bool:
