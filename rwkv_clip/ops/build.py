@@ -445,14 +445,13 @@ class OperatorLibrary:
 
 
 def _import_built(name: str, so: Path, python_module: bool = True):
-    if not python_module:
-        namespace = name
-        if not hasattr(getattr(torch.ops, namespace), "forward"):  # not loaded yet
+    if not python_module:  # the library's name is its operator namespace
+        if not hasattr(getattr(torch.ops, name), "forward"):  # not loaded yet
             try:
                 torch.ops.load_library(str(so))
             except OSError as e:  # not a loadable library (half-written, foreign)
                 raise ImportError(str(e)) from e
-        return OperatorLibrary(namespace, so)
+        return OperatorLibrary(name, so)
     spec = importlib.util.spec_from_file_location(name, so)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {so}")
