@@ -14,7 +14,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
-from .layers import DropPath, PatchEmbed, q_shift_multihead, resize_pos_embed
+from .layers import DropPath, Linear, PatchEmbed, q_shift_multihead, resize_pos_embed
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,
@@ -42,12 +42,12 @@ class VRWKV_SpatialMix_V6(TimeMixBase):
         self._init_time_params()
         self.with_cls_token = with_cls_token
         self.shift_pixel = shift_pixel
-        self.key = nn.Linear(n_embd, self.attn_sz, bias=False)
-        self.value = nn.Linear(n_embd, self.attn_sz, bias=False)
-        self.receptance = nn.Linear(n_embd, self.attn_sz, bias=False)
-        self.gate = nn.Linear(n_embd, self.attn_sz, bias=False)
+        self.key = Linear(n_embd, self.attn_sz, bias=False)
+        self.value = Linear(n_embd, self.attn_sz, bias=False)
+        self.receptance = Linear(n_embd, self.attn_sz, bias=False)
+        self.gate = Linear(n_embd, self.attn_sz, bias=False)
         self.key_norm = nn.LayerNorm(n_embd) if key_norm else None
-        self.output = nn.Linear(self.attn_sz, n_embd, bias=False)
+        self.output = Linear(self.attn_sz, n_embd, bias=False)
         self.ln_x = nn.GroupNorm(n_head, self.attn_sz, eps=1e-5)
 
     @torch.no_grad()
@@ -93,10 +93,10 @@ class VRWKV_ChannelMix_V6(nn.Module):
         self.with_cls_token = with_cls_token
         self.shift_pixel = shift_pixel
         hidden_sz = hidden_rate * n_embd
-        self.key = nn.Linear(n_embd, hidden_sz, bias=False)
+        self.key = Linear(n_embd, hidden_sz, bias=False)
         self.key_norm = nn.LayerNorm(hidden_sz) if key_norm else None
-        self.receptance = nn.Linear(n_embd, n_embd, bias=False)
-        self.value = nn.Linear(hidden_sz, n_embd, bias=False)
+        self.receptance = Linear(n_embd, n_embd, bias=False)
+        self.value = Linear(hidden_sz, n_embd, bias=False)
 
     def mix(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
         x = x.to(glue_dtype(x))  # under autocast: the dtype key/receptance cast to anyway

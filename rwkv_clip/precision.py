@@ -16,6 +16,9 @@ resolve to these names in :func:`canonical_precision`; everything else is a
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import platform
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -99,6 +102,36 @@ def get_precision(name: str, device: torch.device | str) -> Precision:
     return Precision(canonical, device_type)
 
 
+CPU_LOWP_MATMUL_ENV = "RWKV_CLIP_CPU_LOWP_MATMUL"
+CPU_LOWP_MATMUL_CHOICES = ("auto", "native", "fp32")
+
+
+@functools.cache
+def cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether the towers' matmuls and convolutions under CPU ``dtype`` autocast (bf16 or
+    fp16) run as fp32 GEMMs on the rounded operands (see :mod:`rwkv_clip.layers.linear`).
+
+    ``auto`` (default): on x86 CPUs without native GEMMs of that dtype (bf16: AVX512-BF16
+    or AMX; fp16: AMX-FP16), where torch emulates them 20-35x slower than fp32; ``native``:
+    never; ``fp32``: always. Read once per dtype from ``RWKV_CLIP_CPU_LOWP_MATMUL``.
+    """
+    choice = os.environ.get(CPU_LOWP_MATMUL_ENV, "auto").strip().lower() or "auto"
+    if choice not in CPU_LOWP_MATMUL_CHOICES:
+        raise PrecisionError(f"{CPU_LOWP_MATMUL_ENV}={choice!r}: expected one of "
+                             f"{', '.join(CPU_LOWP_MATMUL_CHOICES)}")
+    if choice != "auto":
+        return choice == "fp32"
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return False  # other CPUs: leave torch's kernels alone
+    if dtype == torch.bfloat16:
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    elif dtype == torch.float16:
+        native = torch.cpu._is_amx_fp16_supported()
+    else:
+        return False
+    return not native
+
+
 def set_tf32(enabled: bool) -> None:
     """TF32 matmuls and cuDNN convolutions on CUDA (the one place that switches them)."""
     torch.backends.cuda.matmul.allow_tf32 = enabled
@@ -106,4 +139,5 @@ def set_tf32(enabled: bool) -> None:
 
 
 __all__ = ["PRECISIONS", "Precision", "get_precision", "canonical_precision", "autocast_dtype",
-           "set_tf32", "SCALER_INIT_SCALE", "SCALER_GROWTH_INTERVAL"]
+           "set_tf32", "cpu_matmul_in_fp32", "CPU_LOWP_MATMUL_ENV", "SCALER_INIT_SCALE",
+           "SCALER_GROWTH_INTERVAL"]

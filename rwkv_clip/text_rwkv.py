@@ -15,7 +15,7 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from .config import ModelArgs, complete_args
-from .layers import bidirectional_shift_multihead
+from .layers import Linear, bidirectional_shift_multihead
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,
@@ -35,11 +35,11 @@ class RWKV_Tmix_V6(TimeMixBase):
         self.head_size = args.head_size
         self.n_head = args.dim_att // self.head_size
         self._init_time_params(args, layer_id)
-        self.receptance = nn.Linear(args.n_embd, args.dim_att, bias=False)
-        self.key = nn.Linear(args.n_embd, args.dim_att, bias=False)
-        self.value = nn.Linear(args.n_embd, args.dim_att, bias=False)
-        self.output = nn.Linear(args.dim_att, args.n_embd, bias=False)
-        self.gate = nn.Linear(args.n_embd, args.dim_att, bias=False)
+        self.receptance = Linear(args.n_embd, args.dim_att, bias=False)
+        self.key = Linear(args.n_embd, args.dim_att, bias=False)
+        self.value = Linear(args.n_embd, args.dim_att, bias=False)
+        self.output = Linear(args.dim_att, args.n_embd, bias=False)
+        self.gate = Linear(args.n_embd, args.dim_att, bias=False)
         self.ln_x = nn.GroupNorm(self.n_head, args.dim_att,
                                  eps=1e-5 * args.head_size_divisor ** 2)
 
@@ -76,9 +76,9 @@ class RWKV_CMix_V6(nn.Module):
             ddd = ddd.view(1, 1, args.n_embd)
             self.time_maa_k = nn.Parameter(1.0 - torch.pow(ddd, ratio_1_to_almost0))
             self.time_maa_r = nn.Parameter(1.0 - torch.pow(ddd, ratio_1_to_almost0))
-        self.key = nn.Linear(args.n_embd, args.dim_ffn, bias=False)
-        self.receptance = nn.Linear(args.n_embd, args.n_embd, bias=False)
-        self.value = nn.Linear(args.dim_ffn, args.n_embd, bias=False)
+        self.key = Linear(args.n_embd, args.dim_ffn, bias=False)
+        self.receptance = Linear(args.n_embd, args.n_embd, bias=False)
+        self.value = Linear(args.dim_ffn, args.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Opposite convention to the image tower: time_maa_* weights the neighbour,
@@ -112,9 +112,9 @@ class Block(nn.Module):
         self.has_tiny_att = args.tiny_att_dim > 0 and layer_id == args.tiny_att_layer
         if self.has_tiny_att:
             self.tiny_ln = nn.LayerNorm(args.n_embd)
-            self.tiny_q = nn.Linear(args.n_embd, args.tiny_att_dim, bias=False)
-            self.tiny_k = nn.Linear(args.n_embd, args.tiny_att_dim, bias=False)
-            self.tiny_v = nn.Linear(args.n_embd, args.n_embd, bias=False)
+            self.tiny_q = Linear(args.n_embd, args.tiny_att_dim, bias=False)
+            self.tiny_k = Linear(args.n_embd, args.tiny_att_dim, bias=False)
+            self.tiny_v = Linear(args.n_embd, args.n_embd, bias=False)
             self.register_buffer("tiny_mask", torch.tril(torch.ones(args.ctx_len, args.ctx_len)))
         self.drop0 = nn.Dropout(p=args.dropout)
         self.drop1 = nn.Dropout(p=args.dropout)
@@ -221,8 +221,8 @@ class Text_RWKV(nn.Module):
         self.blocks = nn.ModuleList(Block(args, i) for i in range(args.n_layer))
         self.ln_out = nn.LayerNorm(args.n_embd)
         if args.head_qk > 0:
-            self.head_q = nn.Linear(args.n_embd, args.head_qk, bias=False)
-            self.head_k = nn.Linear(args.n_embd, args.head_qk, bias=False)
+            self.head_q = Linear(args.n_embd, args.head_qk, bias=False)
+            self.head_k = Linear(args.n_embd, args.head_qk, bias=False)
             # The original's LM copy head: kept so its checkpoints load, but the CLIP
             # text feature never uses it. Frozen, it is outside DDP's gradient reduction
             # (find_unused_parameters=False would fail on parameters that get no grad).

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import conv2d
+
 
 def _pair(x: int | tuple[int, int]) -> tuple[int, int]:
     if isinstance(x, int):
@@ -38,5 +40,6 @@ class PatchEmbed(nn.Module):
         pad_w = grid[1] * self.patch_size[1] - x.shape[-1]
         if pad_h or pad_w:
             x = F.pad(x, [0, pad_w, 0, pad_h])
-        x = self.projection(x)  # (B, C, H', W')
+        proj = self.projection
+        x = conv2d(x, proj.weight, proj.bias, self.patch_size)  # (B, C, H', W')
         return x.flatten(2).transpose(1, 2), grid

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import wkv6_bidirectional
+from .linear import Linear, matmul
 
 TIME_MIX_EXTRA_DIM = 32    # rank of the LoRA that makes the five lerp weights data-dependent
 TIME_DECAY_EXTRA_DIM = 64  # rank of the LoRA that makes the decay data-dependent
@@ -81,11 +82,11 @@ class TimeMixBase(nn.Module):
     time_decay_w1: nn.Parameter
     time_decay_w2: nn.Parameter
     time_faaaa: nn.Parameter
-    receptance: nn.Linear
-    key: nn.Linear
-    value: nn.Linear
-    gate: nn.Linear
-    output: nn.Linear
+    receptance: Linear
+    key: Linear
+    value: Linear
+    gate: Linear
+    output: Linear
     ln_x: nn.GroupNorm
 
     def shift(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
@@ -104,15 +105,16 @@ class TimeMixBase(nn.Module):
         x = x.to(dtype)
         shifted = self.shift(x, **shift_kwargs)
         xxx = torch.lerp(x, shifted, self.time_maa_x.to(dtype))
-        xxx = torch.tanh(xxx @ self.time_maa_w1).view(B * T, 5, -1).transpose(0, 1)
-        mix = torch.bmm(xxx, self.time_maa_w2).view(5, B, T, C)
+        xxx = torch.tanh(matmul(xxx, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
+        mix = matmul(xxx, self.time_maa_w2).view(5, B, T, C)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
                          self.time_maa_g)).to(dtype)  # (5, 1, C): broadcasts over (B, T)
         xw, xk, xv, xr, xg = torch.lerp(x, shifted, mix + maa.unsqueeze(1)).unbind(0)
 
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
         g = F.silu(self.gate(xg))
-        w = self.time_decay + torch.tanh(xw @ self.time_decay_w1) @ self.time_decay_w2
+        w = self.time_decay + matmul(torch.tanh(matmul(xw, self.time_decay_w1)),
+                                     self.time_decay_w2)
         return r, k, v, g, w
 
     def output_projection(self, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,136 @@
+"""The towers' matrix products: ``Linear``, ``matmul`` and ``conv2d``.
+
+Outside CPU low-precision autocast these are exactly ``nn.Linear``, ``a @ b`` and
+``F.conv2d``. Under bf16/fp16 autocast on a CPU without native bf16/fp16 GEMMs (no
+AVX512-BF16 or AMX: e.g. any AVX2 machine), torch runs those products in a slow emulation,
+20-35x slower than fp32 (measured on an AVX2 EPYC: a (784, 640) x (640, 640) product takes
+10 ms in fp32 and 380 ms in bf16; the patch-embedding convolution 50 ms and 1 s). There,
+the operands are rounded to the autocast dtype exactly as autocast would round them, the
+product is computed by the fp32 GEMM on the rounded values, and the result is rounded back
+to the autocast dtype. That is the arithmetic of a bf16 GEMM with fp32 accumulation (the
+products of two bf16 or fp16 numbers are exact in fp32), so only the order of the fp32
+sums can differ. Autograd saves the same low-precision tensors as autocast's own products
+(the memory planner's accounting holds), and the gradients are rounded where autocast's
+are: the input gradient to the input's dtype, the weight gradient to the autocast dtype
+before it reaches the fp32 parameter. :func:`rwkv_clip.precision.cpu_matmul_in_fp32`
+decides, once per dtype (``RWKV_CLIP_CPU_LOWP_MATMUL=auto|native|fp32`` overrides).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..precision import cpu_matmul_in_fp32
+
+
+def _upcast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype when products on t's device are to be computed in fp32."""
+    if t.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return None
+    dtype = torch.get_autocast_dtype("cpu")
+    if dtype not in (torch.bfloat16, torch.float16) or not cpu_matmul_in_fp32(dtype):
+        return None
+    return dtype
+
+
+class _UpcastMatmul(torch.autograd.Function):
+    """``a @ b (+ bias)`` of low-precision operands through the fp32 GEMM.
+
+    a: (..., M, K); b: (K, N), or (G, K, N) with a (G, M, K); bias: (N,) or None. The
+    output and every gradient have their operand's dtype (the low precision).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.has_bias = bias is not None
+        with torch.autocast("cpu", enabled=False):
+            out = torch.matmul(a.float(), b.float())
+            if bias is not None:
+                out += bias.float()
+            return out.to(a.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        grad_a = grad_b = grad_bias = None
+        with torch.autocast("cpu", enabled=False):
+            g = grad.float()
+            if ctx.needs_input_grad[0]:
+                grad_a = torch.matmul(g, b.float().mT).to(a.dtype)
+            if ctx.needs_input_grad[1]:
+                if b.dim() == 2:  # sum over every leading dimension of a
+                    gb = a.reshape(-1, a.shape[-1]).float().t() @ g.reshape(-1, g.shape[-1])
+                else:
+                    gb = torch.matmul(a.float().mT, g)
+                grad_b = gb.to(b.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = g.reshape(-1, g.shape[-1]).sum(0).to(a.dtype)
+        return grad_a, grad_b, grad_bias
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (b 2-D, or batched as ``torch.bmm``), see the module docstring."""
+    dtype = _upcast_dtype(a)
+    if dtype is None:
+        return torch.matmul(a, b)
+    return _UpcastMatmul.apply(a.to(dtype), b.to(dtype), None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, see the module docstring."""
+    dtype = _upcast_dtype(x)
+    if dtype is None:
+        return F.linear(x, weight, bias)
+    return _UpcastMatmul.apply(x.to(dtype), weight.to(dtype).t(),
+                               None if bias is None else bias.to(dtype))
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, initialisation and state-dict keys) whose forward is
+    :func:`linear`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(input, self.weight, self.bias)
+
+
+class _UpcastConv2d(torch.autograd.Function):
+    """``F.conv2d`` (no dilation, one group) of low-precision operands in fp32."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                stride: tuple[int, int], padding: tuple[int, int]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.conv = (stride, padding, bias is not None)
+        with torch.autocast("cpu", enabled=False):
+            return F.conv2d(x.float(), weight.float(), None if bias is None else bias.float(),
+                            stride, padding).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        stride, padding, has_bias = ctx.conv
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                has_bias and ctx.needs_input_grad[2]]
+        with torch.autocast("cpu", enabled=False):
+            gx, gw, gb = torch.ops.aten.convolution_backward(
+                grad.float(), x.float(), weight.float(),
+                [weight.shape[0]] if has_bias else None, list(stride), list(padding),
+                [1, 1], False, [0, 0], 1, mask)
+        return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weight.dtype),
+                None if gb is None else gb.to(x.dtype), None, None)
+
+
+def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           stride: tuple[int, int], padding: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """``F.conv2d`` with ``stride`` and ``padding``, see the module docstring."""
+    dtype = _upcast_dtype(x)
+    if dtype is None:
+        return F.conv2d(x, weight, bias, stride, padding)
+    return _UpcastConv2d.apply(x.to(dtype), weight.to(dtype),
+                               None if bias is None else bias.to(dtype), stride, padding)

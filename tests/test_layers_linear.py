@@ -1,0 +1,161 @@
+"""The towers' products under CPU low-precision autocast (rwkv_clip.layers.linear).
+
+Where the policy applies, a product is the fp32 GEMM of the operands rounded as autocast
+rounds them, rounded back: checked bit for bit against that recipe, against torch's own
+bf16/fp16 kernels within one rounding step, for the gradients' values and dtypes, and for
+what autograd saves (the memory planner's accounting).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rwkv_clip.errors import PrecisionError
+from rwkv_clip.layers import Linear, conv2d, linear, matmul
+from rwkv_clip.precision import CPU_LOWP_MATMUL_ENV, cpu_matmul_in_fp32
+
+
+@pytest.fixture
+def policy(monkeypatch):
+    """Set the policy for one test (the choice is cached per dtype: cleared around it)."""
+    def set_choice(choice: str) -> None:
+        monkeypatch.setenv(CPU_LOWP_MATMUL_ENV, choice)
+        cpu_matmul_in_fp32.cache_clear()
+    yield set_choice
+    monkeypatch.delenv(CPU_LOWP_MATMUL_ENV, raising=False)
+    cpu_matmul_in_fp32.cache_clear()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def test_policy_choices(policy):
+    policy("native")
+    assert cpu_matmul_in_fp32(torch.bfloat16) is False
+    policy("fp32")
+    assert cpu_matmul_in_fp32(torch.bfloat16) is True
+    assert cpu_matmul_in_fp32(torch.float16) is True
+    policy("auto")
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    import platform
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert cpu_matmul_in_fp32(torch.bfloat16) is (not native)
+    policy("fast please")
+    with pytest.raises(PrecisionError, match=CPU_LOWP_MATMUL_ENV + ".*auto, native, fp32"):
+        cpu_matmul_in_fp32(torch.bfloat16)
+
+
+def test_no_autocast_is_plain_torch(policy):
+    policy("fp32")
+    torch.manual_seed(0)
+    layer = Linear(24, 16, bias=True)
+    x = torch.randn(3, 5, 24)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert isinstance(layer, torch.nn.Linear)
+    assert list(layer.state_dict()) == ["weight", "bias"]
+    w = torch.randn(24, 8)
+    assert torch.equal(matmul(x, w), x @ w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_is_the_fp32_gemm_of_the_rounded_operands(policy, dtype):
+    policy("fp32")
+    torch.manual_seed(1)
+    x = torch.randn(4, 7, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    b = torch.randn(48, requires_grad=True)
+    g = torch.randn(4, 7, 48)
+    with torch.autocast("cpu", dtype=dtype):
+        out = linear(x, w, b)
+    assert out.dtype == dtype
+    recipe = (x.detach().to(dtype).float() @ w.detach().to(dtype).float().t()
+              + b.detach().to(dtype).float()).to(dtype)
+    assert torch.equal(out, recipe)
+    out.backward(g.to(dtype))
+    grads = [t.grad.clone() for t in (x, w, b)]
+    # torch's own low-precision kernels: the same values within one rounding step
+    policy("native")
+    for t in (x, w, b):
+        t.grad = None
+    with torch.autocast("cpu", dtype=dtype):
+        native = linear(x, w, b)
+    assert _rel(out, native) < 1e-2
+    native.backward(g.to(dtype))
+    for ours, theirs in zip(grads, (x.grad, w.grad, b.grad), strict=True):
+        assert ours.dtype == theirs.dtype == torch.float32
+        assert _rel(ours, theirs) < 2e-2
+    # the weight gradient was rounded to the autocast dtype, as autocast's cast rounds it
+    assert torch.equal(grads[1], grads[1].to(dtype).float())
+
+
+def test_batched_matmul_and_its_gradients(policy):
+    policy("fp32")
+    torch.manual_seed(2)
+    a = torch.randn(5, 30, 8).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(5, 8, 40).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(5, 30, 40).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = matmul(a, b)
+    out.backward(g)
+    a32, b32 = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    ref = torch.bmm(a32, b32)
+    ref.backward(g.float())
+    assert torch.equal(out, ref.to(torch.bfloat16))
+    assert a.grad.dtype == b.grad.dtype == torch.bfloat16
+    assert torch.allclose(a.grad.float(), a32.grad, rtol=8e-3, atol=1e-6)
+    assert torch.allclose(b.grad.float(), b32.grad, rtol=8e-3, atol=1e-6)
+
+
+def test_conv2d_matches_torch_within_rounding(policy):
+    policy("fp32")
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 20, 20, requires_grad=True)
+    w = torch.randn(16, 3, 4, 4, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = conv2d(x, w, b, (4, 4))
+    assert out.dtype == torch.bfloat16
+    recipe = F.conv2d(x.detach().bfloat16().float(), w.detach().bfloat16().float(),
+                      b.detach().bfloat16().float(), (4, 4)).bfloat16()
+    assert torch.equal(out, recipe)
+    out.float().square().sum().backward()
+    grads = [t.grad.clone() for t in (x, w, b)]
+    policy("native")
+    for t in (x, w, b):
+        t.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        native = conv2d(x, w, b, (4, 4))
+    assert _rel(out, native) < 1e-2
+    native.float().square().sum().backward()
+    for ours, theirs in zip(grads, (x.grad, w.grad, b.grad), strict=True):
+        assert ours.dtype == theirs.dtype == torch.float32
+        assert _rel(ours, theirs) < 3e-2
+
+
+def _saved_bytes(fn) -> list[tuple[torch.dtype, int]]:
+    saved: list[tuple[torch.dtype, int]] = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sorted(saved, key=str)
+
+
+def test_autograd_saves_what_autocast_saves(policy):
+    """The planner counts a product as saving its low-precision input and weight."""
+    torch.manual_seed(4)
+    layer = Linear(32, 24)
+    x = torch.randn(6, 32, requires_grad=True)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x)
+    policy("fp32")
+    ours = _saved_bytes(run)
+    policy("native")
+    theirs = _saved_bytes(run)
+    assert ours == theirs == [(torch.bfloat16, 6 * 32), (torch.bfloat16, 24 * 32)]
