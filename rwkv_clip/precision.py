@@ -106,15 +106,26 @@ CPU_LOWP_MATMUL_ENV = "RWKV_CLIP_CPU_LOWP_MATMUL"
 CPU_LOWP_MATMUL_CHOICES = ("auto", "native", "fp32")
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # traced calls read the choice made once here
 def cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
     """Whether the towers' matmuls and convolutions under CPU ``dtype`` autocast (bf16 or
     fp16) run as fp32 GEMMs on the rounded operands (see :mod:`rwkv_clip.layers.linear`).
 
     ``auto`` (default): on x86 CPUs without native GEMMs of that dtype (bf16: AVX512-BF16
     or AMX; fp16: AMX-FP16), where torch emulates them 20-35x slower than fp32; ``native``:
-    never; ``fp32``: always. Read once per dtype from ``RWKV_CLIP_CPU_LOWP_MATMUL``.
+    never; ``fp32``: always. Read once per dtype from ``RWKV_CLIP_CPU_LOWP_MATMUL``
+    (:func:`cpu_matmul_choice_reset` forgets the choices).
     """
+    return _cpu_matmul_in_fp32(dtype)
+
+
+def cpu_matmul_choice_reset() -> None:
+    """Forget the choices of :func:`cpu_matmul_in_fp32` (they are read again on next use)."""
+    _cpu_matmul_in_fp32.cache_clear()
+
+
+@functools.cache
+def _cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
     choice = os.environ.get(CPU_LOWP_MATMUL_ENV, "auto").strip().lower() or "auto"
     if choice not in CPU_LOWP_MATMUL_CHOICES:
         raise PrecisionError(f"{CPU_LOWP_MATMUL_ENV}={choice!r}: expected one of "
@@ -139,5 +150,6 @@ def set_tf32(enabled: bool) -> None:
 
 
 __all__ = ["PRECISIONS", "Precision", "get_precision", "canonical_precision", "autocast_dtype",
-           "set_tf32", "cpu_matmul_in_fp32", "CPU_LOWP_MATMUL_ENV", "SCALER_INIT_SCALE",
+           "set_tf32", "cpu_matmul_in_fp32", "cpu_matmul_choice_reset",
+           "CPU_LOWP_MATMUL_ENV", "SCALER_INIT_SCALE",
            "SCALER_GROWTH_INTERVAL"]

@@ -12,8 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from rwkv_clip.errors import PrecisionError
-from rwkv_clip.layers import Linear, conv2d, linear, matmul
-from rwkv_clip.precision import CPU_LOWP_MATMUL_ENV, cpu_matmul_in_fp32
+from rwkv_clip.layers.linear import Linear, conv2d, linear, matmul
+from rwkv_clip.precision import (
+    CPU_LOWP_MATMUL_ENV,
+    cpu_matmul_choice_reset,
+    cpu_matmul_in_fp32,
+)
 
 
 @pytest.fixture
@@ -21,10 +25,10 @@ def policy(monkeypatch):
     """Set the policy for one test (the choice is cached per dtype: cleared around it)."""
     def set_choice(choice: str) -> None:
         monkeypatch.setenv(CPU_LOWP_MATMUL_ENV, choice)
-        cpu_matmul_in_fp32.cache_clear()
+        cpu_matmul_choice_reset()
     yield set_choice
     monkeypatch.delenv(CPU_LOWP_MATMUL_ENV, raising=False)
-    cpu_matmul_in_fp32.cache_clear()
+    cpu_matmul_choice_reset()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
