@@ -14,7 +14,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
-from .layers import DropPath, Linear, PatchEmbed, q_shift_multihead, resize_pos_embed
+from .layers import DropPath, Linear, PatchEmbed, lerp, q_shift_multihead, resize_pos_embed
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,
@@ -105,7 +105,7 @@ class VRWKV_ChannelMix_V6(nn.Module):
         # Note the convention: spatial_mix_* weights x itself (the text tower's time_maa_k
         # weights the shifted neighbour instead): x * m + xx * (1 - m), both in one lerp.
         mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(x.dtype)
-        xk, xr = torch.lerp(xx, x, mix).unbind(0)
+        xk, xr = lerp(xx, x, mix).unbind(0)
         k = torch.square(torch.relu(self.key(xk)))
         if self.key_norm is not None:
             k = self.key_norm(k)

@@ -45,3 +45,17 @@ def test_bidirectional_shift_matches_definition_and_grad():
     edge[-1, :4] = edge[-1, 8:12] = 0  # t = 4 feeds no t + 1 in the first halves
     edge[0, 4:8] = edge[0, 12:] = 0
     assert torch.equal(grad[0], edge)
+
+
+@pytest.mark.parametrize("cls,s", [(False, 1), (True, 1), (False, 2)])
+def test_shift_gradients_are_the_adjoint(cls, s):
+    """<shift(x), g> == <x, grad>: backward (the opposite shift) is the transpose."""
+    H, W, C, hd = 3, 4, 16, 8
+    x = torch.randn(2, H * W + cls, C, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, H * W + cls, C, dtype=torch.float64)
+    out = q_shift_multihead(x, s, hd, (H, W), cls)
+    grad, = torch.autograd.grad(out, x, g)
+    assert torch.allclose((out * g).sum(), (x * grad).sum(), rtol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: q_shift_multihead(t, s, hd, (H, W), cls), (x,))
+    y = torch.randn(2, 6, C, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: bidirectional_shift_multihead(t, s, hd), (y,))

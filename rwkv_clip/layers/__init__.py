@@ -1,11 +1,13 @@
 """Building blocks shared by the two towers, one concept per file."""
 from .drop_path import DropPath, drop_path
+from .lerp import lerp
 from .linear import Linear, conv2d, matmul
 from .patch_embed import PatchEmbed
 from .pos_embed import resize_pos_embed
 from .shift import bidirectional_shift_multihead, q_shift_multihead
 from .time_mix import TimeMixBase
 
-__all__ = ["DropPath", "drop_path", "Linear", "conv2d", "matmul", "PatchEmbed", "resize_pos_embed",
+__all__ = ["DropPath", "drop_path", "lerp", "Linear", "conv2d", "matmul",
+           "PatchEmbed", "resize_pos_embed",
            "bidirectional_shift_multihead", "q_shift_multihead",
            "TimeMixBase"]

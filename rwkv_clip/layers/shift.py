@@ -2,10 +2,74 @@
 
 Both shifts work per head: channels of each head are split into groups and each group
 is taken from a different neighbour, with zeros where the neighbour does not exist.
+
+A shift is linear and its adjoint is the opposite shift (each group taken from the other
+side, zeros at the other border), so backward is one more shift: one pass over the
+gradient instead of the clone per slice assignment and the zero-filled full-size
+gradient per source slice that autograd would chain through the in-place copies.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+def _q_shift_grid(grid: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
+    """grid: (B, H, W, heads, head_dim). Quarters of each head from the left, right, up,
+    down neighbour (``adjoint``: from the right, left, down, up: the transpose)."""
+    H, W, hd = grid.shape[1], grid.shape[2], grid.shape[4]
+    out = torch.empty_like(grid, memory_format=torch.contiguous_format)
+    q = hd // 4
+    left, right, up, down = slice(0, q), slice(q, 2 * q), slice(2 * q, 3 * q), slice(3 * q, hd)
+    if adjoint:
+        left, right, up, down = right, left, down, up
+    out[:, :, s:, :, left] = grid[:, :, :W - s, :, left]      # from the left
+    out[:, :, :s, :, left] = 0
+    out[:, :, :W - s, :, right] = grid[:, :, s:, :, right]    # from the right
+    out[:, :, W - s:, :, right] = 0
+    out[:, s:, :, :, up] = grid[:, :H - s, :, :, up]          # from above
+    out[:, :s, :, :, up] = 0
+    out[:, :H - s, :, :, down] = grid[:, s:, :, :, down]      # from below
+    out[:, H - s:, :, :, down] = 0
+    return out
+
+
+def _sequence_shift(seq: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
+    """seq: (B, N, heads, head_dim). First half of each head from t - s, second from
+    t + s (``adjoint``: the other way round)."""
+    N, hd = seq.shape[1], seq.shape[3]
+    out = torch.empty_like(seq, memory_format=torch.contiguous_format)
+    back, ahead = slice(0, hd // 2), slice(hd // 2, hd)
+    if adjoint:
+        back, ahead = ahead, back
+    out[:, s:, :, back] = seq[:, :N - s, :, back]
+    out[:, :s, :, back] = 0
+    out[:, :N - s, :, ahead] = seq[:, s:, :, ahead]
+    out[:, N - s:, :, ahead] = 0
+    return out
+
+
+class _QShift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, grid: torch.Tensor, s: int) -> torch.Tensor:
+        ctx.s = s
+        return _q_shift_grid(grid, s, adjoint=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return _q_shift_grid(grad, ctx.s, adjoint=True), None
+
+
+class _SequenceShift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, seq: torch.Tensor, s: int) -> torch.Tensor:
+        ctx.s = s
+        return _sequence_shift(seq, s, adjoint=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return _sequence_shift(grad, ctx.s, adjoint=True), None
 
 
 def q_shift_multihead(x: torch.Tensor, shift_pixel: int = 1, head_dim: int = 64,
@@ -31,18 +95,7 @@ def q_shift_multihead(x: torch.Tensor, shift_pixel: int = 1, head_dim: int = 64,
         raise ValueError("q-shift needs the patch grid (patch_resolution=(H, W))")
     H, W = patch_resolution
     grid = x.reshape(B, H, W, C // head_dim, head_dim)
-    out = torch.empty_like(grid, memory_format=torch.contiguous_format)
-    q, s = head_dim // 4, shift_pixel
-    a, b, c = q, 2 * q, 3 * q
-    out[:, :, s:, :, :a] = grid[:, :, :W - s, :, :a]      # from the left
-    out[:, :, :s, :, :a] = 0
-    out[:, :, :W - s, :, a:b] = grid[:, :, s:, :, a:b]    # from the right
-    out[:, :, W - s:, :, a:b] = 0
-    out[:, s:, :, :, b:c] = grid[:, :H - s, :, :, b:c]    # from above
-    out[:, :s, :, :, b:c] = 0
-    out[:, :H - s, :, :, c:] = grid[:, s:, :, :, c:]      # from below
-    out[:, H - s:, :, :, c:] = 0
-    out = out.view(B, H * W, C)
+    out = _QShift.apply(grid, shift_pixel).view(B, H * W, C)
     if with_cls_token:
         out = torch.cat((out, cls_token), dim=1)
     return out
@@ -59,10 +112,4 @@ def bidirectional_shift_multihead(x: torch.Tensor, shift_pixel: int = 1,
         raise ValueError(f"shift: C={C}, head_dim={head_dim} (need C % head_dim == 0, "
                          "head_dim % 4 == 0)")
     seq = x.reshape(B, N, C // head_dim, head_dim)
-    out = torch.empty_like(seq, memory_format=torch.contiguous_format)
-    half, s = head_dim // 2, shift_pixel
-    out[:, s:, :, :half] = seq[:, :N - s, :, :half]
-    out[:, :s, :, :half] = 0
-    out[:, :N - s, :, half:] = seq[:, s:, :, half:]
-    out[:, N - s:, :, half:] = 0
-    return out.view(B, N, C)
+    return _SequenceShift.apply(seq, shift_pixel).view(B, N, C)

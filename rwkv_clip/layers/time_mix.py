@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import wkv6_bidirectional
+from .lerp import lerp
 from .linear import Linear, matmul
 
 TIME_MIX_EXTRA_DIM = 32    # rank of the LoRA that makes the five lerp weights data-dependent
@@ -95,8 +96,8 @@ class TimeMixBase(nn.Module):
     def projections(self, x: torch.Tensor, **shift_kwargs):
         """r, k, v, gate and decay logits from x and its shifted neighbours.
 
-        The six lerps ``x + (shift(x) - x) * m`` are ``torch.lerp(x, shift(x), m)``, the
-        five data-dependent ones as one (5, B, T, C) lerp. Under autocast the glue runs in
+        The six lerps ``x + (shift(x) - x) * m`` are ``torch.lerp(x, shift(x), m)``
+        (:func:`.lerp.lerp`), the five data-dependent ones as one (5, B, T, C) lerp. Under autocast the glue runs in
         the autocast dtype (see :func:`glue_dtype`); the decay logits w keep the original
         promotion (``time_decay`` + LoRA: float32 in the image tower, bf16 in the text).
         """
@@ -104,12 +105,12 @@ class TimeMixBase(nn.Module):
         dtype = glue_dtype(x)
         x = x.to(dtype)
         shifted = self.shift(x, **shift_kwargs)
-        xxx = torch.lerp(x, shifted, self.time_maa_x.to(dtype))
+        xxx = lerp(x, shifted, self.time_maa_x.to(dtype))
         xxx = torch.tanh(matmul(xxx, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
         mix = matmul(xxx, self.time_maa_w2).view(5, B, T, C)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
                          self.time_maa_g)).to(dtype)  # (5, 1, C): broadcasts over (B, T)
-        xw, xk, xv, xr, xg = torch.lerp(x, shifted, mix + maa.unsqueeze(1)).unbind(0)
+        xw, xk, xv, xr, xg = lerp(x, shifted, mix + maa.unsqueeze(1)).unbind(0)
 
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
         g = F.silu(self.gate(xg))
