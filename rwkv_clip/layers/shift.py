@@ -10,6 +10,7 @@ gradient per source slice that autograd would chain through the in-place copies.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,26 +51,18 @@ def _sequence_shift(seq: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
     return out
 
 
-class _QShift(torch.autograd.Function):
+class _Shift(torch.autograd.Function):
+    """A shift ``fn(x, s, adjoint)`` whose backward is its adjoint."""
+
     @staticmethod
-    def forward(ctx: Any, grid: torch.Tensor, s: int) -> torch.Tensor:
-        ctx.s = s
-        return _q_shift_grid(grid, s, adjoint=False)
+    def forward(ctx: Any, x: torch.Tensor, s: int,
+                fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        ctx.s, ctx.fn = s, fn
+        return fn(x, s, adjoint=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return _q_shift_grid(grad, ctx.s, adjoint=True), None
-
-
-class _SequenceShift(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, seq: torch.Tensor, s: int) -> torch.Tensor:
-        ctx.s = s
-        return _sequence_shift(seq, s, adjoint=False)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        return _sequence_shift(grad, ctx.s, adjoint=True), None
+        return ctx.fn(grad, ctx.s, adjoint=True), None, None
 
 
 def q_shift_multihead(x: torch.Tensor, shift_pixel: int = 1, head_dim: int = 64,
@@ -95,7 +88,7 @@ def q_shift_multihead(x: torch.Tensor, shift_pixel: int = 1, head_dim: int = 64,
         raise ValueError("q-shift needs the patch grid (patch_resolution=(H, W))")
     H, W = patch_resolution
     grid = x.reshape(B, H, W, C // head_dim, head_dim)
-    out = _QShift.apply(grid, shift_pixel).view(B, H * W, C)
+    out = _Shift.apply(grid, shift_pixel, _q_shift_grid).view(B, H * W, C)
     if with_cls_token:
         out = torch.cat((out, cls_token), dim=1)
     return out
@@ -112,4 +105,4 @@ def bidirectional_shift_multihead(x: torch.Tensor, shift_pixel: int = 1,
         raise ValueError(f"shift: C={C}, head_dim={head_dim} (need C % head_dim == 0, "
                          "head_dim % 4 == 0)")
     seq = x.reshape(B, N, C // head_dim, head_dim)
-    return _SequenceShift.apply(seq, shift_pixel).view(B, N, C)
+    return _Shift.apply(seq, shift_pixel, _sequence_shift).view(B, N, C)
