@@ -52,3 +52,19 @@ def test_saves_what_torch_lerp_saves():
             fn(x, e, w)
         return sorted(out)
     assert saved(lerp) == saved(torch.lerp)
+
+
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, False),
+                                   (False, False, True), (True, False, True)])
+def test_gradients_of_a_subset(needs):
+    torch.manual_seed(2)
+    base = (torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.rand(5, 2, 5, 8))
+    ours = [t.clone().requires_grad_(n) for t, n in zip(base, needs, strict=True)]
+    theirs = [t.clone().requires_grad_(n) for t, n in zip(base, needs, strict=True)]
+    g = torch.randn(5, 2, 5, 8)
+    lerp(*ours).backward(g)
+    torch.lerp(*theirs).backward(g)
+    for a, b, n in zip(ours, theirs, needs, strict=True):
+        assert (a.grad is None) == (not n)
+        if n:
+            assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)

@@ -30,15 +30,17 @@ class _Lerp(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor):
         start, end, weight = ctx.saved_tensors
         need_start, need_end, need_weight = ctx.needs_input_grad
+        # fp32 / fp64: the start gradient as sum(grad) - sum(grad * weight); in bf16 / fp16
+        # that difference would cancel, so torch's grad * (1 - weight) there
+        reduce_first = grad.dtype in _WIDE and start.shape == end.shape
         grad_start = grad_end = grad_weight = None
-        towards_end = grad * weight if need_start or need_end else None
-        if need_end:
-            grad_end = towards_end.sum_to_size(end.shape)
-        if need_start:
-            if grad_end is not None and start.shape == end.shape and grad.dtype in _WIDE:
-                grad_start = grad.sum_to_size(start.shape) - grad_end
-            else:  # bf16 / fp16: the difference of two sums would cancel; torch's formula
-                grad_start = (grad * (1 - weight)).sum_to_size(start.shape)
+        if need_end or (need_start and reduce_first):
+            towards_end = (grad * weight).sum_to_size(end.shape)
+            grad_end = towards_end if need_end else None
+            if need_start and reduce_first:
+                grad_start = grad.sum_to_size(start.shape) - towards_end
+        if need_start and not reduce_first:
+            grad_start = (grad * (1 - weight)).sum_to_size(start.shape)
         if need_weight:
             grad_weight = (grad * (end - start)).sum_to_size(weight.shape)
         return grad_start, grad_end, grad_weight
