@@ -150,6 +150,5 @@ def set_tf32(enabled: bool) -> None:
 
 
 __all__ = ["PRECISIONS", "Precision", "get_precision", "canonical_precision", "autocast_dtype",
-           "set_tf32", "cpu_matmul_in_fp32", "cpu_matmul_choice_reset",
-           "CPU_LOWP_MATMUL_ENV", "SCALER_INIT_SCALE",
-           "SCALER_GROWTH_INTERVAL"]
+           "set_tf32", "cpu_matmul_in_fp32", "cpu_matmul_choice_reset", "CPU_LOWP_MATMUL_ENV",
+           "SCALER_INIT_SCALE", "SCALER_GROWTH_INTERVAL"]

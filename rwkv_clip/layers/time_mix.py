@@ -97,9 +97,10 @@ class TimeMixBase(nn.Module):
         """r, k, v, gate and decay logits from x and its shifted neighbours.
 
         The six lerps ``x + (shift(x) - x) * m`` are ``torch.lerp(x, shift(x), m)``
-        (:func:`.lerp.lerp`), the five data-dependent ones as one (5, B, T, C) lerp. Under autocast the glue runs in
-        the autocast dtype (see :func:`glue_dtype`); the decay logits w keep the original
-        promotion (``time_decay`` + LoRA: float32 in the image tower, bf16 in the text).
+        (:func:`.lerp.lerp`), the five data-dependent ones as one (5, B, T, C) lerp. Under
+        autocast the glue runs in the autocast dtype (see :func:`glue_dtype`); the decay
+        logits w keep the original promotion (``time_decay`` + LoRA: float32 in the image
+        tower, bf16 in the text).
         """
         B, T, C = x.shape
         dtype = glue_dtype(x)
