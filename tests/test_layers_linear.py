@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from rwkv_clip.errors import PrecisionError
 from rwkv_clip.layers.linear import Linear, conv2d, linear, matmul
 from rwkv_clip.precision import (
+    CPU_LINEAR_ENV,
     CPU_LOWP_MATMUL_ENV,
+    cpu_linear_uses_onednn,
     cpu_matmul_choice_reset,
     cpu_matmul_in_fp32,
 )
@@ -51,8 +53,20 @@ def test_policy_choices(policy):
         cpu_matmul_in_fp32(torch.bfloat16)
 
 
-def test_no_autocast_is_plain_torch(policy):
+@pytest.fixture
+def fp32_linear(monkeypatch):
+    """Set the fp32 Linear backend for one test (cached: cleared around it)."""
+    def set_choice(choice: str) -> None:
+        monkeypatch.setenv(CPU_LINEAR_ENV, choice)
+        cpu_matmul_choice_reset()
+    yield set_choice
+    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
+    cpu_matmul_choice_reset()
+
+
+def test_no_autocast_is_plain_torch(policy, fp32_linear):
     policy("fp32")
+    fp32_linear("mkl")
     torch.manual_seed(0)
     layer = Linear(24, 16, bias=True)
     x = torch.randn(3, 5, 24)
@@ -163,3 +177,58 @@ def test_autograd_saves_what_autocast_saves(policy):
     policy("native")
     theirs = _saved_bytes(run)
     assert ours == theirs == [(torch.bfloat16, 6 * 32), (torch.bfloat16, 24 * 32)]
+
+
+onednn = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available()
+         and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+    reason="torch built without oneDNN")
+
+
+def test_fp32_linear_backend_choices(fp32_linear):
+    fp32_linear("mkl")
+    assert cpu_linear_uses_onednn() is False
+    fp32_linear("auto")
+    from rwkv_clip.precision import _cpu_vendor
+    assert cpu_linear_uses_onednn() is (torch.backends.mkldnn.is_available()
+                                        and _cpu_vendor() == "AuthenticAMD")
+    fp32_linear("blas")
+    with pytest.raises(PrecisionError, match=CPU_LINEAR_ENV + ".*auto, onednn, mkl"):
+        cpu_linear_uses_onednn()
+
+
+@onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_torch_and_keeps_its_gradients(fp32_linear, bias):
+    """oneDNN's forward is F.linear within fp32 rounding; the gradients are autograd's own
+    products, bit for bit."""
+    fp32_linear("onednn")
+    torch.manual_seed(5)
+    layer = Linear(96, 40, bias=bias)
+    x = torch.randn(3, 11, 96, requires_grad=True)
+    y = layer(x)
+    assert y.grad_fn is not None and "OneDNN" in type(y.grad_fn).__name__
+    y_ref = F.linear(x, layer.weight, layer.bias)
+    assert _rel(y, y_ref) < 1e-6
+    g = torch.randn_like(y)
+    params = (x, layer.weight) + ((layer.bias,) if bias else ())
+    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(y_ref, params, g),
+                    strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    with torch.no_grad():  # no autograd node; a strided input is fine
+        xt = torch.randn(11, 3, 96).transpose(0, 1)
+        assert _rel(layer(xt), F.linear(xt, layer.weight, layer.bias)) < 1e-6
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # never under autocast
+        assert layer(x).dtype == torch.bfloat16
+
+
+@onednn
+def test_onednn_linear_saves_what_linear_saves(fp32_linear):
+    torch.manual_seed(6)
+    layer = Linear(32, 24, bias=False)
+    x = torch.randn(6, 32, requires_grad=True)
+    fp32_linear("onednn")
+    ours = _saved_bytes(lambda: layer(x))
+    fp32_linear("mkl")
+    theirs = _saved_bytes(lambda: layer(x))
+    assert sorted(ours) == sorted(theirs) == [(torch.float32, 6 * 32), (torch.float32, 24 * 32)]

@@ -14,6 +14,10 @@ sums can differ. Autograd saves the same low-precision tensors as autocast's own
 are: the input gradient to the input's dtype, the weight gradient to the autocast dtype
 before it reaches the fp32 parameter. :func:`rwkv_clip.precision.cpu_matmul_in_fp32`
 decides, once per dtype (``RWKV_CLIP_CPU_LOWP_MATMUL=auto|native|fp32`` overrides).
+
+In fp32 on the CPU, ``Linear``'s forward may run oneDNN's matmul instead of torch's
+default sgemm (MKL), where that is faster (:func:`rwkv_clip.precision.cpu_linear_uses_onednn`;
+``RWKV_CLIP_CPU_LINEAR=auto|onednn|mkl``); the backward products are autograd's own.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..precision import cpu_matmul_in_fp32
+from ..precision import cpu_linear_uses_onednn, cpu_matmul_in_fp32
 
 
 def _upcast_dtype(t: torch.Tensor) -> torch.dtype | None:
@@ -81,12 +85,53 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _UpcastMatmul.apply(a.to(dtype), b.to(dtype), None)
 
 
+def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled("cpu") and cpu_linear_uses_onednn())
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """fp32 ``F.linear`` with oneDNN's forward and autograd's backward products (the
+    same saved tensors, the same ``mm`` calls for the gradients)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn_linear(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = g.t() @ x.reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, see the module docstring."""
     dtype = _upcast_dtype(x)
     if dtype is None:
-        return F.linear(x, weight, bias)
+        if not _use_onednn(x, weight):
+            return F.linear(x, weight, bias)
+        if not torch.is_grad_enabled():
+            return _onednn_linear(x, weight, bias)
+        return _OneDNNLinear.apply(x.contiguous(), weight, bias)
     return _UpcastMatmul.apply(x.to(dtype), weight.to(dtype).t(),
                                None if bias is None else bias.to(dtype))
 
