@@ -163,10 +163,13 @@ def cpu_linear_uses_onednn() -> bool:
     (``torch.ops.mkldnn._linear_pointwise``) instead of torch's default (MKL's sgemm).
 
     ``auto`` (default): on AMD x86 CPUs, where MKL's sgemm trails oneDNN's JIT kernels on
-    the towers' shapes (measured on an AVX2 EPYC, 2 threads: 61-67 against 69-72 GFLOP/s,
-    B/32 inference 3% faster); torch's default elsewhere. ``onednn`` / ``mkl`` force
-    either. The backward products stay torch's. Read once from ``RWKV_CLIP_CPU_LINEAR``
-    (:func:`cpu_matmul_choice_reset` forgets it). Compiled graphs keep ``aten.linear``.
+    the B/32 towers' 640- to 3200-wide products (measured on an AVX2 EPYC, 2 threads:
+    5-14% per product; B/32 inference 0.92x -> 1.03x open_clip's, training 0.97x -> 1.01x
+    at batch 4); torch's default elsewhere. ``onednn`` / ``mkl`` force either. Only
+    products with both weight dimensions >= 512 qualify (narrower ones were slower), and
+    the backward products stay torch's. Read once from ``RWKV_CLIP_CPU_LINEAR``
+    (:func:`cpu_matmul_choice_reset` forgets it). Traced and compiled graphs keep
+    ``aten.linear``.
     """
     return _cpu_linear_uses_onednn()
 
