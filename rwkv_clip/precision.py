@@ -168,8 +168,8 @@ def cpu_linear_uses_onednn() -> bool:
     at batch 4); torch's default elsewhere. ``onednn`` / ``mkl`` force either. Only
     products with both weight dimensions >= 512 qualify (narrower ones were slower), and
     the backward products stay torch's. Read once from ``RWKV_CLIP_CPU_LINEAR``
-    (:func:`cpu_matmul_choice_reset` forgets it). Traced and compiled graphs keep
-    ``aten.linear``.
+    (:func:`cpu_matmul_choice_reset` forgets it). TorchScript traces keep ``aten.linear``;
+    ``torch.compile`` sees the operator ``rwkv_clip::onednn_linear``.
     """
     return _cpu_linear_uses_onednn()
 

@@ -59,3 +59,25 @@ def test_shift_gradients_are_the_adjoint(cls, s):
     assert torch.autograd.gradcheck(lambda t: q_shift_multihead(t, s, hd, (H, W), cls), (x,))
     y = torch.randn(2, 6, C, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: bidirectional_shift_multihead(t, s, hd), (y,))
+
+
+@pytest.mark.parametrize("op,shape", [("q_shift", (2, 3, 4, 2, 8)), ("sequence_shift", (2, 5, 2, 8))])
+@pytest.mark.parametrize("adjoint", [False, True])
+def test_shift_operators_pass_opcheck(op, shape, adjoint):
+    """Schema, fake (meta) implementation and autograd registration of the two operators
+    that torch.compile sees as opaque calls."""
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(getattr(torch.ops.rwkv_clip, op).default, (x, 1, adjoint))
+
+
+def test_shifts_are_single_opaque_calls_in_a_compiled_graph():
+    """dynamo records each shift as one rwkv_clip operator call (no indexing to fuse)."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+    backend = EagerAndRecordGraphs()
+    x = torch.randn(2, 12, 16)
+    f = torch.compile(lambda t: q_shift_multihead(t, 1, 8, (3, 4)) + bidirectional_shift_multihead(t, 1, 8),
+                      backend=backend, fullgraph=True)
+    assert torch.equal(f(x), q_shift_multihead(x, 1, 8, (3, 4)) + bidirectional_shift_multihead(x, 1, 8))
+    code = backend.graphs[0].code
+    assert "rwkv_clip.q_shift" in code and "rwkv_clip.sequence_shift" in code
+    assert "slice" not in code and "setitem" not in code

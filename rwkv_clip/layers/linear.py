@@ -92,41 +92,47 @@ ONEDNN_MIN_FEATURES = 512
 
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (min(weight.shape) >= ONEDNN_MIN_FEATURES and x.device.type == "cpu"
-            and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and cpu_linear_uses_onednn())  # traced / compiled graphs keep aten.linear
+            and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and not torch.jit.is_tracing()
+            and cpu_linear_uses_onednn())  # TorchScript traces keep aten.linear
 
 
+# An operator (torch.library), so that torch.compile keeps it as one opaque call: inductor
+# would otherwise see aten.linear and run MKL's sgemm (its own lowering of the oneDNN op
+# needs frozen weights). The backward products are autograd's own (the same mm calls as
+# F.linear's backward, also visible to the compiler); the saved tensors are F.linear's.
+@torch.library.custom_op("rwkv_clip::onednn_linear", mutates_args=(), device_types="cpu")
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``F.linear`` computed by oneDNN's matmul."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class _OneDNNLinear(torch.autograd.Function):
-    """fp32 ``F.linear`` with oneDNN's forward and autograd's backward products (the
-    same saved tensors, the same ``mm`` calls for the gradients)."""
+@_onednn_linear.register_fake
+def _onednn_linear_fake(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _onednn_linear(x, weight, bias)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (g @ weight).view(x.shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = g.t() @ x.reshape(-1, x.shape[-1])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b
+def _onednn_linear_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _onednn_linear_backward(ctx: Any, grad: torch.Tensor):
+    x, weight = ctx.saved_tensors
+    g = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_x = (g @ weight).view(x.shape)
+    if ctx.needs_input_grad[1]:
+        grad_w = g.t() @ x.reshape(-1, x.shape[-1])
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = g.sum(0)
+    return grad_x, grad_w, grad_b
+
+
+_onednn_linear.register_autograd(_onednn_linear_backward, setup_context=_onednn_linear_setup)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -136,9 +142,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     if dtype is None:
         if not _use_onednn(x, weight):
             return F.linear(x, weight, bias)
-        if not torch.is_grad_enabled():
-            return _onednn_linear(x, weight, bias)
-        return _OneDNNLinear.apply(x.contiguous(), weight, bias)
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # eager inference: the kernel itself, without the operator's Python dispatch
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _onednn_linear(x, weight, bias)
     return _UpcastMatmul.apply(x.to(dtype), weight.to(dtype).t(),
                                None if bias is None else bias.to(dtype))
 
