@@ -23,14 +23,28 @@ from rwkv_clip.precision import (
 
 
 @pytest.fixture
-def policy(monkeypatch):
-    """Set the policy for one test (the choice is cached per dtype: cleared around it)."""
-    def set_choice(choice: str) -> None:
-        monkeypatch.setenv(CPU_LOWP_MATMUL_ENV, choice)
+def choose(monkeypatch):
+    """Set a CPU product policy variable for one test (the choices are cached: cleared
+    around it)."""
+    def set_choice(env: str, choice: str) -> None:
+        monkeypatch.setenv(env, choice)
         cpu_matmul_choice_reset()
     yield set_choice
-    monkeypatch.delenv(CPU_LOWP_MATMUL_ENV, raising=False)
+    for env in (CPU_LOWP_MATMUL_ENV, CPU_LINEAR_ENV):
+        monkeypatch.delenv(env, raising=False)
     cpu_matmul_choice_reset()
+
+
+@pytest.fixture
+def policy(choose):
+    """The low-precision policy (RWKV_CLIP_CPU_LOWP_MATMUL) for one test."""
+    return lambda choice: choose(CPU_LOWP_MATMUL_ENV, choice)
+
+
+@pytest.fixture
+def fp32_linear(choose):
+    """The fp32 Linear backend (RWKV_CLIP_CPU_LINEAR) for one test."""
+    return lambda choice: choose(CPU_LINEAR_ENV, choice)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -51,17 +65,6 @@ def test_policy_choices(policy):
     policy("fast please")
     with pytest.raises(PrecisionError, match=CPU_LOWP_MATMUL_ENV + ".*auto, native, fp32"):
         cpu_matmul_in_fp32(torch.bfloat16)
-
-
-@pytest.fixture
-def fp32_linear(monkeypatch):
-    """Set the fp32 Linear backend for one test (cached: cleared around it)."""
-    def set_choice(choice: str) -> None:
-        monkeypatch.setenv(CPU_LINEAR_ENV, choice)
-        cpu_matmul_choice_reset()
-    yield set_choice
-    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
-    cpu_matmul_choice_reset()
 
 
 def test_no_autocast_is_plain_torch(policy, fp32_linear):
