@@ -105,6 +105,11 @@ def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """fp32 ``F.linear`` computed by oneDNN's matmul."""
+    return _onednn_matmul(x, weight, bias)
+
+
+def _onednn_matmul(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -144,7 +149,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
             return F.linear(x, weight, bias)
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # eager inference: the kernel itself, without the operator's Python dispatch
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            return _onednn_matmul(x, weight, bias)
         return _onednn_linear(x, weight, bias)
     return _UpcastMatmul.apply(x.to(dtype), weight.to(dtype).t(),
                                None if bias is None else bias.to(dtype))
