@@ -179,8 +179,11 @@ def _cpu_linear_uses_onednn() -> bool:
     choice = _env_choice(CPU_LINEAR_ENV, CPU_LINEAR_CHOICES)
     available = (torch.backends.mkldnn.is_available()
                  and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    if choice == "onednn" and not available:
+        raise PrecisionError(f"{CPU_LINEAR_ENV}=onednn: this torch build has no oneDNN "
+                             "matmul (torch.backends.mkldnn); expected auto or mkl here")
     if choice != "auto":
-        return choice == "onednn" and available
+        return choice == "onednn"
     return available and _is_x86() and _cpu_vendor() == "AuthenticAMD"
 
 

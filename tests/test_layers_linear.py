@@ -200,6 +200,15 @@ def test_fp32_linear_backend_choices(fp32_linear):
         cpu_linear_uses_onednn()
 
 
+def test_forced_onednn_without_onednn_is_a_precision_error(fp32_linear, monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    fp32_linear("onednn")
+    with pytest.raises(PrecisionError, match=CPU_LINEAR_ENV + "=onednn: .*no oneDNN"):
+        cpu_linear_uses_onednn()
+    fp32_linear("auto")  # auto quietly keeps torch's default
+    assert cpu_linear_uses_onednn() is False
+
+
 @onednn
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_linear_matches_torch_and_keeps_its_gradients(fp32_linear, bias):
