@@ -22,10 +22,13 @@ import platform
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from .errors import PrecisionError
+
+_F = TypeVar("_F", bound=Callable)
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
@@ -102,11 +105,22 @@ def get_precision(name: str, device: torch.device | str) -> Precision:
     return Precision(canonical, device_type)
 
 
+def assume_constant_result(fn: _F) -> _F:
+    """``torch.compiler.assume_constant_result``: traced calls of ``fn`` become the
+    constant it returns. Written out because torch's function imports ``torch._dynamo``
+    first, which took 2.4 of the 5 s that importing ``rwkv_clip`` cost every process (a
+    CLI's ``--help`` or one-line error included) though nothing is compiled; the mark is
+    the attribute ``torch._dynamo.assume_constant_result`` sets (a test checks that it
+    still is)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
 CPU_LOWP_MATMUL_ENV = "RWKV_CLIP_CPU_LOWP_MATMUL"
 CPU_LOWP_MATMUL_CHOICES = ("auto", "native", "fp32")
 
 
-@torch.compiler.assume_constant_result  # traced calls read the choice made once here
+@assume_constant_result  # traced calls read the choice made once here
 def cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
     """Whether the towers' matmuls and convolutions under CPU ``dtype`` autocast (bf16 or
     fp16) run as fp32 GEMMs on the rounded operands (see :mod:`rwkv_clip.layers.linear`).
@@ -157,7 +171,7 @@ CPU_LINEAR_ENV = "RWKV_CLIP_CPU_LINEAR"
 CPU_LINEAR_CHOICES = ("auto", "onednn", "mkl")
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def cpu_linear_uses_onednn() -> bool:
     """Whether the towers' fp32 ``Linear`` forwards on the CPU run oneDNN's matmul
     (``torch.ops.mkldnn._linear_pointwise``) instead of torch's default (MKL's sgemm).
