@@ -14,7 +14,15 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
-from .layers import DropPath, Linear, PatchEmbed, lerp, q_shift_multihead, resize_pos_embed
+from .layers import (
+    DropPath,
+    Linear,
+    PatchEmbed,
+    lerp,
+    q_shift_multihead,
+    relu_square,
+    resize_pos_embed,
+)
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,
@@ -106,7 +114,7 @@ class VRWKV_ChannelMix_V6(nn.Module):
         # weights the shifted neighbour instead): x * m + xx * (1 - m), both in one lerp.
         mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(x.dtype)
         xk, xr = lerp(xx, x, mix).unbind(0)
-        k = torch.square(torch.relu(self.key(xk)))
+        k = relu_square(self.key(xk))
         if self.key_norm is not None:
             k = self.key_norm(k)
         return torch.sigmoid(self.receptance(xr)) * self.value(k)

@@ -15,7 +15,7 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from .config import ModelArgs, complete_args
-from .layers import Linear, bidirectional_shift_multihead, lerp
+from .layers import Linear, bidirectional_shift_multihead, lerp, relu_square
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,
@@ -87,7 +87,7 @@ class RWKV_CMix_V6(nn.Module):
         shifted = bidirectional_shift_multihead(x, 1, self.args.head_size)
         mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(x.dtype)
         xk, xr = lerp(x, shifted, mix).unbind(0)
-        k = torch.relu(self.key(xk)) ** 2
+        k = relu_square(self.key(xk))
         return torch.sigmoid(self.receptance(xr)) * self.value(k)
 
 

@@ -4,10 +4,11 @@ from .lerp import lerp
 from .linear import Linear, conv2d, matmul
 from .patch_embed import PatchEmbed
 from .pos_embed import resize_pos_embed
+from .relu_square import relu_square
 from .shift import bidirectional_shift_multihead, q_shift_multihead
 from .time_mix import TimeMixBase
 
 __all__ = ["DropPath", "drop_path", "lerp", "Linear", "conv2d", "matmul",
-           "PatchEmbed", "resize_pos_embed",
+           "PatchEmbed", "resize_pos_embed", "relu_square",
            "bidirectional_shift_multihead", "q_shift_multihead",
            "TimeMixBase"]

@@ -293,7 +293,9 @@ def _channel_mix(w: Walker, bx: Sym, C: int, Fh: int, image: bool) -> tuple[Sym,
     rr = w.unary_saves_result(w.matmul(xr, P(C * C), C, C))    # sigmoid
     out = w.mul(rr, val)
     b = _SIZES
-    ws = 3 * nf * b[k2.dtype] + 2 * n * 4
+    # backward: the square's gradient, then relu_square's two passes (one hidden-sized
+    # temporary) outside autocast, autograd's pow + relu backward (two) under it
+    ws = (2 if w.amp is None else 3) * nf * b[k2.dtype] + 2 * n * 4
     # no_grad: bx (held by the caller), its glue copy, the shift, the two lerped inputs,
     # one C-sized result; the hidden activation and its square (two of its size).
     inf = (n * b[bx.dtype] + (x is not bx) * n * b[x.dtype] + 4 * n * b[x.dtype]
@@ -311,9 +313,13 @@ def _block(w: Walker, x: Sym, C: int, A: int, H: int, Fh: int, first: bool, imag
     o, ws1, inf1 = _time_mix(w, a, C, A, H, decay_dtype, amp_grad)
     x1 = w.add(x, o)
     bx = w.norm_layer("layer_norm", x1, rows)             # ln2
+    held = set(w.saved)
     c, ws2, inf2 = _channel_mix(w, bx, C, Fh, image)
     x2 = w.add(x1, c)
-    return x2, max(ws1, ws2), inf0 + max(inf1, inf2 + x1.n * _SIZES[x1.dtype])
+    # backward runs the channel mix first; by the time mix's backward, the channel mix's
+    # saved tensors are freed, so its working set counts above what is left
+    cmix_saved = sum(t.nbytes for key, t in w.saved.items() if key not in held)
+    return x2, max(ws2, ws1 - cmix_saved), inf0 + max(inf1, inf2 + x1.n * _SIZES[x1.dtype])
 
 
 def _append(w: Walker, segs: list[Segment], seg: Segment) -> None:
