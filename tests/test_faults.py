@@ -89,7 +89,11 @@ def _chain(tmp_path, name, data, rounds, seed):
             assert rc == 128 + sig, (sig, rc, text[-2000:])
             assert "interrupted at step" in text and "resume with --resume latest" in text
         names = _check_checkpoints(out / "checkpoints") if (out / "checkpoints").exists() else []
-        assert len([n for n in names if n != LATEST]) <= 3  # --keep-checkpoints 3
+        # --keep-checkpoints 3. A save writes the new file before pruning the oldest (a
+        # checkpoint is never lost), so a SIGKILL between the two leaves one more; the
+        # next save prunes it (checked at the end). SIGINT / SIGTERM finish the save.
+        kept = [n for n in names if n != LATEST]
+        assert len(kept) <= 3 + (sig == signal.SIGKILL and rc != 0), (sig, rc, kept)
         if finished:
             break
     assert stopped >= min(rounds, 3), "the signals came too late to test anything"
@@ -97,7 +101,7 @@ def _chain(tmp_path, name, data, rounds, seed):
     proc, log = _start(argv, tmp_path / f"{name}_final.txt")
     assert proc.wait(timeout=600) == 0, (tmp_path / f"{name}_final.txt").read_text()[-3000:]
     log.close()
-    _check_checkpoints(out / "checkpoints")
+    assert len([n for n in _check_checkpoints(out / "checkpoints") if n != LATEST]) <= 3
     # the temporary files of saves cut short by SIGKILL are gone too
     assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
     return torch.load(out / "checkpoints" / LATEST, weights_only=True)
