@@ -11,7 +11,10 @@ The training step is :func:`rwkv_clip.train.accumulation.train_step` for both mo
 clip grad norm, AdamW from the trainer's defaults); inference is ``model(images, tokens)``
 (encode_image + encode_text) under ``torch.no_grad()``. "compiled" wraps the model with
 ``torch.compile(dynamic=False)``; its first calls (compilation) are the warm-up, timed
-separately as ``warmup_s``. Used by ``scripts/bench_train.py --versus`` and
+separately as ``warmup_s``; warm-ups alternate between the models as well. The process
+keeps freed host memory for reuse, as ``train.py`` does on the CPU
+(:mod:`rwkv_clip.host_memory`; ``RWKV_CLIP_HOST_MALLOC=system`` measures glibc's
+defaults), the same for both models. Used by ``scripts/bench_train.py --versus`` and
 ``scripts/bench_infer.py``.
 """
 from __future__ import annotations
@@ -123,16 +126,19 @@ class Case:
 
 def interleaved(runners: dict[str, Callable[[], float]], warmup: int,
                 repeats: int) -> dict[str, Any]:
-    """Warm each runner up, then time them in ABBA order; per-name step times, the
-    warm-up seconds and whether every returned value was finite."""
+    """Warm the runners up in turn, then time them in ABBA order; per-name step times,
+    the warm-up seconds and whether every returned value was finite."""
     names = list(runners)
-    out: dict[str, Any] = {n: {"step_s": [], "finite": True} for n in names}
-    for name in names:
-        t = time.perf_counter()
-        for _ in range(warmup):
+    out: dict[str, Any] = {n: {"step_s": [], "finite": True, "warmup_s": 0.0} for n in names}
+    # warm-ups alternate too: a model's first steps (optimizer state, compilation) reshape
+    # the process's heap, and the other model's first timed step must not be the one
+    # that pays for it (it was: 13.3 s against 12.1-12.4 s steady, at batch 16)
+    for _ in range(warmup):
+        for name in names:
+            t = time.perf_counter()
             value = runners[name]()
             out[name]["finite"] &= bool(torch.isfinite(torch.tensor(value)))
-        out[name]["warmup_s"] = time.perf_counter() - t
+            out[name]["warmup_s"] += time.perf_counter() - t
     for r in range(repeats):
         for name in (names if r % 2 == 0 else names[::-1]):
             t = time.perf_counter()
@@ -240,8 +246,9 @@ def add_versus_flags(ap, default_batches: str, default_config: str,
     group.add_argument("--modes", default="eager,compiled", help="eager and/or compiled")
     group.add_argument("--repeats", type=int, default=2,
                        help="timed repeats per model and case (default 2: a quick run)")
-    group.add_argument("--versus-warmup", type=int, default=1,
-                       help="untimed calls per model and case (compilation happens here)")
+    group.add_argument("--versus-warmup", type=int, default=2,
+                       help="untimed calls per model and case, alternating (default 2; "
+                            "compilation happens in the first)")
     group.add_argument("--versus-threads", type=int, default=2, help="torch.set_num_threads")
     group.add_argument("--versus-out", default=None, help="also write the JSON here")
 
@@ -253,6 +260,7 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
     import sys
     from pathlib import Path
 
+    from .host_memory import configure_host_malloc
     from .memory.measure import build_model
     batches = parse_list(ns.batch_sizes, int, None, "--batch-sizes")
     if any(b < 1 for b in batches):
@@ -263,6 +271,7 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
         raise ConfigError("--repeats and --versus-warmup must be at least 1 (compiled models "
                           "compile during warm-up)")
     torch.set_num_threads(ns.versus_threads)
+    host_malloc = configure_host_malloc("cpu")  # as train.py on the CPU: for both models
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -284,7 +293,7 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
               ns.versus_warmup, ns.repeats, log)
     result = {"config": Path(ns.versus_config).name, "versus": ns.versus,
               "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "repeats": ns.repeats, "warmup": ns.versus_warmup,
+              "repeats": ns.repeats, "warmup": ns.versus_warmup, "host_malloc": host_malloc,
               "interleaving": "ABBA per repeat; ratio = median of paired (their step time / "
                               "our step time)",
               "total_s": time.perf_counter() - t0, "date": time.strftime("%Y-%m-%d %H:%M %Z"),

@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 import rwkv_clip.layers.time_mix as time_mix
 from rwkv_clip.benchmark import add_versus_flags, run_versus
 from rwkv_clip.errors import run_cli
+from rwkv_clip.host_memory import configure_host_malloc
 from rwkv_clip.memory import (
     PeakRSS,
     build_model,
@@ -150,6 +151,7 @@ def main(argv=None) -> int:
     if steps < 1:
         ap.error("--steps must be at least 1")
     device = torch.device(ns.device)
+    host_malloc = configure_host_malloc(device)  # as train.py
 
     rss_before_kib = rss_kib()
     args, model = build_model(config, device, ns.checkpointing, ns.wkv_backend)
@@ -219,6 +221,7 @@ def main(argv=None) -> int:
         "compiled": ns.compile_backend if ns.compile else False,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "host_malloc": host_malloc,
         "warmup_steps": warmup,
         "warmup_s": warm_s,
         "steps": steps,

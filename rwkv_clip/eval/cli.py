@@ -206,9 +206,14 @@ def parse_options(argv: Sequence[str] | None = None, retrieval: bool = False
 
 
 def _main(argv: Sequence[str] | None, retrieval: bool) -> int:
+    from ..distributed import launch_environment, pick_device
+    from ..host_memory import configure_host_malloc
     from .runner import run
 
-    run(parse_options(argv, retrieval))
+    opts = parse_options(argv, retrieval)
+    # the process is ours: on the CPU it keeps freed memory for the next batch's reuse
+    configure_host_malloc(pick_device(opts.device or "auto", launch_environment()[2]))
+    run(opts)
     return 0
 
 

@@ -30,8 +30,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import create_RWKV_Model
-from ..distributed import DistInfo, any_rank_true, barrier, cleanup_distributed, init_distributed
+from .. import create_RWKV_Model, host_memory
+from ..distributed import (
+    DistInfo,
+    any_rank_true,
+    barrier,
+    cleanup_distributed,
+    init_distributed,
+    launch_environment,
+    pick_device,
+)
 from ..errors import ResumeError, RWKVCLIPError, TrainArgsError, TrainingError, run_cli
 from ..loss import ClipLoss
 from ..model import load_model_weight
@@ -158,6 +166,8 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
     log.info(f"rank {info.rank}/{info.world_size} on {info.device} "
              f"(backend {info.backend or 'none'}); model settings from {source}")
     warn_ignored(args, log.info)
+    if host_memory.applied() is not None:
+        log.info(host_memory.describe(host_memory.applied()))
     # says so before a first-use compile, which then overlaps the model and data set-up
     kernel_ready = prepare_wkv_kernel(info.device, log, background=True)
     try:
@@ -660,7 +670,10 @@ def cli(argv=None) -> int:
     from .args import parse_args
 
     def run() -> int:
-        main(parse_args(argv))  # the summary dict is for library callers
+        args = parse_args(argv)
+        # the process is ours: on the CPU it keeps freed memory for the next step's reuse
+        host_memory.configure_host_malloc(pick_device(args.device, launch_environment()[2]))
+        main(args)  # the summary dict is for library callers
         return 0
 
     try:
