@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import wkv6_bidirectional
+from .head_norm import head_group_norm
 from .lerp import lerp
 from .linear import Linear, matmul
 
@@ -122,7 +123,7 @@ class TimeMixBase(nn.Module):
     def output_projection(self, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """Per-head GroupNorm of the WKV output, gated, projected back."""
         B, T, C = y.shape
-        y = self.ln_x(y.view(B * T, C)).view(B, T, C)
+        y = head_group_norm(y.view(B * T, C), self.ln_x).view(B, T, C)
         return self.output(y.to(g.dtype) * g)  # under autocast: the dtype output casts to
 
     def mix(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""head_group_norm: the time mix's GroupNorm as a per-head layer norm on the CPU."""
+import pytest
+import torch
+
+from rwkv_clip.layers import head_group_norm
+
+
+def _norm(heads: int, channels: int, dtype=torch.float32, seed: int = 0) -> torch.nn.GroupNorm:
+    torch.manual_seed(seed)
+    norm = torch.nn.GroupNorm(heads, channels, eps=64e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    return norm
+
+
+def _grads(fn, x, norm, grad_out):
+    x = x.detach().requires_grad_()
+    out = fn(x)
+    return (out, *torch.autograd.grad(out, (x, norm.weight, norm.bias), grad_out))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("rows,heads,channels", [(98, 8, 640), (154, 10, 640), (7, 2, 6)])
+def test_values_and_gradients_equal_group_norm(dtype, tol, rows, heads, channels):
+    norm = _norm(heads, channels, dtype)
+    x = torch.randn(rows, channels, dtype=dtype) * 3 + 1
+    grad_out = torch.randn(rows, channels, dtype=dtype)
+    ours = _grads(lambda t: head_group_norm(t, norm), x, norm, grad_out)
+    torch_gn = _grads(norm, x, norm, grad_out)
+    for name, a, b in zip(("out", "x", "weight", "bias"), ours, torch_gn, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert ((a - b).abs().max() / b.abs().max()).item() < tol, name
+
+
+def test_gradcheck():
+    norm = _norm(3, 12, torch.float64)
+    x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t, w, b: head_group_norm(t, _with(norm, w, b)),
+                                    (x, norm.weight, norm.bias))
+
+
+def _with(norm, weight, bias):
+    clone = torch.nn.GroupNorm(norm.num_groups, norm.num_channels, eps=norm.eps).double()
+    clone.weight, clone.bias = weight, bias  # the tensors gradcheck perturbs
+    return clone
+
+
+def test_saves_what_group_norm_saves():
+    """The input and per-(row, head) mean and 1/std: the memory planner's count."""
+    norm = _norm(8, 640)
+    x = torch.randn(98, 640, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        head_group_norm(x, norm)
+    params = {norm.weight.data_ptr(), norm.bias.data_ptr()}
+    sizes = sorted(t.numel() for t in saved if t.data_ptr() not in params)
+    assert sizes == [98 * 8, 98 * 8, 98 * 640]
+
+
+def test_other_cases_are_group_norm_itself():
+    """bf16 input, autocast and TorchScript tracing run nn.GroupNorm unchanged."""
+    norm = _norm(8, 64)
+    x = torch.randn(10, 64)
+    assert torch.equal(head_group_norm(x.bfloat16(), norm.bfloat16()),
+                       norm(x.bfloat16()))
+    norm = _norm(8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(head_group_norm(x, norm), norm(x))
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, t):
+            return head_group_norm(t, self.norm)
+    traced = torch.jit.trace(Wrapped(), (x,))
+    graph = traced.inlined_graph.str()
+    assert "group_norm" in graph and "layer_norm" not in graph
+    assert torch.equal(traced(x), norm(x))
