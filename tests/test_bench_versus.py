@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rwkv_clip.benchmark import Case, parse_list, summarise, table
+from rwkv_clip.benchmark import Case, interleaved, parse_list, summarise, table
 from rwkv_clip.errors import ConfigError
 
 
@@ -19,6 +19,15 @@ def test_ratio_is_the_median_of_paired_ratios():
     assert result["ratio"] == 2.0  # paired: 2.0, 1.0, 3.0
     assert result["rwkv_clip"]["pairs_per_s"] == 4.0  # 4 / median(1, 2, 1)
     assert result["open_clip"]["pairs_per_s"] == 2.0
+
+
+def test_warm_ups_alternate_and_timed_steps_run_abba():
+    calls = []
+    runners = {name: (lambda name=name: calls.append(name) or 1.0) for name in ("a", "b")}
+    out = interleaved(runners, warmup=2, repeats=3)
+    assert calls == ["a", "b", "a", "b",        # warm-ups, in turn
+                     "a", "b", "b", "a", "a", "b"]  # timed, ABBA
+    assert all(len(out[n]["step_s"]) == 3 and out[n]["finite"] for n in "ab")
 
 
 def test_compiled_over_eager_pairs_the_same_case():
