@@ -35,6 +35,7 @@ import platform
 import torch
 
 from .errors import ConfigError
+from .precision import env_choice
 
 HOST_MALLOC_ENV = "RWKV_CLIP_HOST_MALLOC"
 HOST_MALLOC_CHOICES = ("auto", "retain", "system")
@@ -48,11 +49,7 @@ _applied: str | None = None
 
 def host_malloc_choice() -> str:
     """``RWKV_CLIP_HOST_MALLOC``, checked (a bad value is a :class:`ConfigError`)."""
-    choice = os.environ.get(HOST_MALLOC_ENV, "auto").strip().lower() or "auto"
-    if choice not in HOST_MALLOC_CHOICES:
-        raise ConfigError(f"{HOST_MALLOC_ENV}={choice!r}: expected one of "
-                          f"{', '.join(HOST_MALLOC_CHOICES)}")
-    return choice
+    return env_choice(HOST_MALLOC_ENV, HOST_MALLOC_CHOICES, ConfigError)
 
 
 def _glibc_settings_given() -> bool:

@@ -140,10 +140,14 @@ def cpu_matmul_choice_reset() -> None:
     _cpu_linear_uses_onednn.cache_clear()
 
 
-def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+def env_choice(name: str, choices: tuple[str, ...],
+               error: type[Exception] = PrecisionError) -> str:
+    """The environment variable ``name`` (default ``auto``), one of ``choices``; any other
+    value raises ``error`` naming the variable and the choices. The CPU knobs' reader
+    (this module's and :mod:`rwkv_clip.host_memory`'s)."""
     choice = os.environ.get(name, "auto").strip().lower() or "auto"
     if choice not in choices:
-        raise PrecisionError(f"{name}={choice!r}: expected one of {', '.join(choices)}")
+        raise error(f"{name}={choice!r}: expected one of {', '.join(choices)}")
     return choice
 
 
@@ -153,7 +157,7 @@ def _is_x86() -> bool:
 
 @functools.cache
 def _cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
-    choice = _env_choice(CPU_LOWP_MATMUL_ENV, CPU_LOWP_MATMUL_CHOICES)
+    choice = env_choice(CPU_LOWP_MATMUL_ENV, CPU_LOWP_MATMUL_CHOICES)
     if choice != "auto":
         return choice == "fp32"
     if not _is_x86():
@@ -190,7 +194,7 @@ def cpu_linear_uses_onednn() -> bool:
 
 @functools.cache
 def _cpu_linear_uses_onednn() -> bool:
-    choice = _env_choice(CPU_LINEAR_ENV, CPU_LINEAR_CHOICES)
+    choice = env_choice(CPU_LINEAR_ENV, CPU_LINEAR_CHOICES)
     available = (torch.backends.mkldnn.is_available()
                  and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
     if choice == "onednn" and not available:
