@@ -16,6 +16,11 @@ keeps freed host memory for reuse, as ``train.py`` does on the CPU
 (:mod:`rwkv_clip.host_memory`; ``RWKV_CLIP_HOST_MALLOC=system`` measures glibc's
 defaults), the same for both models. Used by ``scripts/bench_train.py --versus`` and
 ``scripts/bench_infer.py``.
+
+``--breakdown`` profiles one more call of each eager case and splits it into the kernels
+that ``torch.compile`` leaves as calls (matrix products, convolutions, attention, the WKV
+kernel), the optimizer (outside the compiled model) and the rest: how much compiling can
+gain at most (``compile_ceiling``).
 """
 from __future__ import annotations
 
@@ -113,6 +118,57 @@ def inference_runner(forward: nn.Module, precision: str, images: torch.Tensor,
     return run
 
 
+# What torch.compile leaves as calls: the matrix products and convolutions (inductor calls
+# the same MKL / oneDNN kernels), attention (SDPA) and our WKV kernel (custom operators).
+# Matched against the profiler's operator names, by prefix.
+EXTERN_KERNELS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm",
+                  "mkldnn::_linear_pointwise", "aten::mkldnn_convolution",
+                  "aten::convolution_backward", "aten::_scaled_dot_product",
+                  "rwkv_clip_wkv6")  # the kernels' library; its Python wrappers count as glue
+# The optimizer step and gradient clipping: outside the compiled model (train.py and the
+# benchmark compile the model, as open_clip's --torchcompile does). An operator counts as
+# theirs when it runs inside the optimizer's step or is a multi-tensor (foreach) one,
+# which clip_grad_norm_ uses and the models do not.
+OPTIMIZER_SCOPE = "Optimizer."
+FOREACH = "aten::_foreach_"
+
+
+def _outside_model(event: Any) -> bool:
+    if event.name.startswith(FOREACH):
+        return True
+    while event is not None:
+        if event.name.startswith(OPTIMIZER_SCOPE):
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def kernel_breakdown(run: Callable[[], float]) -> dict[str, float]:
+    """Profile one call of ``run`` (a warmed-up runner): seconds of operator self time in
+    the kernels compilation cannot change (:data:`EXTERN_KERNELS`), in the optimizer and
+    gradient clipping, and in everything else (the glue a compiler could fuse), and
+    ``compile_ceiling``: profiled total / (kernels + optimizer), the speed-up compiling
+    would give if it made the glue free. The profiler's per-operator overhead lands in
+    the glue, so the ceiling errs high."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    kernels = outside = other = 0.0
+    for event in prof.events():
+        seconds = event.self_cpu_time_total / 1e6
+        if _outside_model(event):
+            outside += seconds
+        elif event.name.startswith(EXTERN_KERNELS):
+            kernels += seconds
+        else:
+            other += seconds
+    total = kernels + outside + other
+    fixed = kernels + outside
+    return {"profiled_s": total, "kernels_s": kernels, "optimizer_s": outside,
+            "glue_s": other, "kernel_share": fixed / total if total else 0.0,
+            "compile_ceiling": total / fixed if fixed else float("inf")}
+
+
 @dataclass
 class Case:
     """One row of the table: a task at a batch size, precision and mode."""
@@ -165,10 +221,12 @@ def summarise(timings: dict[str, Any], batch: int, ours: str, theirs: str | None
 def run_cases(cases: Sequence[Case], ours: nn.Module, theirs: nn.Module | None,
               inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
               warmup: int, repeats: int, log: Callable[[str], None] = lambda s: None,
-              ) -> list[Case]:
+              breakdown: bool = False) -> list[Case]:
     """Fill ``case.result`` for every case, ours (key "rwkv_clip") beside theirs
     ("open_clip") when given. Compiled wrappers are made once per model and reused
-    (dynamic=False: each batch size / precision / grad mode is its own graph)."""
+    (dynamic=False: each batch size / precision / grad mode is its own graph).
+    ``breakdown``: eager cases also get one profiled call per model after the timed ones
+    (:func:`kernel_breakdown`, under ``"breakdown"``)."""
     models = {"rwkv_clip": ours} | ({"open_clip": theirs} if theirs is not None else {})
     compiled: dict[str, nn.Module] = {}
     for case in cases:
@@ -186,6 +244,9 @@ def run_cases(cases: Sequence[Case], ours: nn.Module, theirs: nn.Module | None,
         timings = interleaved(runners, warmup, repeats)
         case.result = summarise(timings, case.batch, "rwkv_clip",
                                 "open_clip" if theirs is not None else None)
+        if breakdown and case.mode == "eager":
+            case.result["breakdown"] = {name: kernel_breakdown(run)
+                                        for name, run in runners.items()}
         log(format_row(case))
         del runners
         gc.collect()
@@ -198,6 +259,9 @@ def format_row(case: Case) -> str:
              f"ours {r['rwkv_clip']['pairs_per_s']:.2f} pairs/s"]
     if "open_clip" in r:
         cells += [f"open_clip {r['open_clip']['pairs_per_s']:.2f}", f"ratio {r['ratio']:.2f}x"]
+    for name, parts in r.get("breakdown", {}).items():
+        cells.append(f"{name}: kernels + optimizer {parts['kernel_share']:.0%} of the profiled "
+                     f"step, compile ceiling {parts['compile_ceiling']:.2f}x")
     return " | ".join(cells)
 
 
@@ -251,6 +315,11 @@ def add_versus_flags(ap, default_batches: str, default_config: str,
                             "compilation happens in the first)")
     group.add_argument("--versus-threads", type=int, default=2, help="torch.set_num_threads")
     group.add_argument("--versus-out", default=None, help="also write the JSON here")
+    group.add_argument("--breakdown", action="store_true",
+                       help="profile one more call per model and eager case: the share of "
+                            "matmul / convolution / attention / WKV kernels and optimizer, "
+                            "which compiling leaves as they are, and the speed-up compiling "
+                            "could give at most (compile_ceiling)")
 
 
 def run_versus(ns, tasks: Sequence[str]) -> int:
@@ -290,7 +359,7 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
              for p in precisions]
     t0 = time.perf_counter()
     run_cases(cases, ours, theirs, lambda b: make_inputs(b, size, ctx_len, vocab),
-              ns.versus_warmup, ns.repeats, log)
+              ns.versus_warmup, ns.repeats, log, breakdown=ns.breakdown)
     result = {"config": Path(ns.versus_config).name, "versus": ns.versus,
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "repeats": ns.repeats, "warmup": ns.versus_warmup, "host_malloc": host_malloc,

@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from rwkv_clip.benchmark import Case, interleaved, parse_list, summarise, table
+from rwkv_clip.benchmark import Case, interleaved, kernel_breakdown, parse_list, summarise, table
 from rwkv_clip.errors import ConfigError
 
 
@@ -40,6 +41,32 @@ def test_compiled_over_eager_pairs_the_same_case():
                                            "rwkv_clip": pytest.approx(1.3)}]
 
 
+def test_breakdown_splits_kernels_optimizer_and_glue():
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    x = torch.randn(1 << 20)
+    param = torch.nn.Parameter(torch.randn(1 << 16))
+    param.grad = torch.randn(1 << 16)
+    opt = torch.optim.AdamW([param], fused=True)
+
+    def step() -> float:
+        y = a @ b                 # a kernel compiling leaves alone
+        z = torch.sin(x).cos()    # glue a compiler could fuse
+        opt.step()                # outside the model
+        return float(y[0, 0] + z[0])
+    step()
+    parts = kernel_breakdown(step)
+    assert parts["kernels_s"] > 0 and parts["glue_s"] > 0 and parts["optimizer_s"] > 0
+    total = parts["kernels_s"] + parts["optimizer_s"] + parts["glue_s"]
+    assert parts["profiled_s"] == pytest.approx(total)
+    fixed = parts["kernels_s"] + parts["optimizer_s"]
+    assert parts["kernel_share"] == pytest.approx(fixed / total)
+    assert parts["compile_ceiling"] == pytest.approx(total / fixed)
+    assert parts["compile_ceiling"] > 1.0
+
+    only_glue = kernel_breakdown(lambda: float(torch.sin(x)[0]))
+    assert only_glue["kernels_s"] == 0 and only_glue["compile_ceiling"] == float("inf")
+
+
 def test_list_flags_are_checked():
     assert parse_list("4,16", int, None, "--batch-sizes") == [4, 16]
     with pytest.raises(ConfigError, match="--precisions 'fp8'"):
@@ -56,7 +83,8 @@ def _run(repo_root, script, *flags):
 def test_scripts_print_one_json_object(repo_root, script, task):
     proc = _run(repo_root, script, *(["--versus", "none"]),
                 "--versus-config", str(repo_root / "model_config" / "RWKV_CLIP_tiny.json"),
-                "--batch-sizes", "2", "--modes", "eager", "--versus-threads", "1")
+                "--batch-sizes", "2", "--modes", "eager", "--versus-threads", "1",
+                "--breakdown")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stdout
@@ -65,6 +93,12 @@ def test_scripts_print_one_json_object(repo_root, script, task):
                                                                      (task, "bf16")]
     assert all(r["rwkv_clip"]["pairs_per_s"] > 0 and r["rwkv_clip"]["finite"]
                for r in result["rows"])
+    for row in result["rows"]:  # --breakdown: ours has matmuls and the WKV kernel
+        parts = row["breakdown"]["rwkv_clip"]
+        assert parts["kernels_s"] > 0 and parts["glue_s"] > 0
+        assert parts["compile_ceiling"] == pytest.approx(
+            parts["profiled_s"] / (parts["kernels_s"] + parts["optimizer_s"]))
+        assert (parts["optimizer_s"] > 0) == (task == "train")
 
 
 def test_bad_flag_is_one_line_error(repo_root):
