@@ -143,13 +143,13 @@ def _outside_model(event: Any) -> bool:
     return False
 
 
-def kernel_breakdown(run: Callable[[], float]) -> dict[str, float]:
+def kernel_breakdown(run: Callable[[], float]) -> dict[str, float | None]:
     """Profile one call of ``run`` (a warmed-up runner): seconds of operator self time in
     the kernels compilation cannot change (:data:`EXTERN_KERNELS`), in the optimizer and
     gradient clipping, and in everything else (the glue a compiler could fuse), and
     ``compile_ceiling``: profiled total / (kernels + optimizer), the speed-up compiling
-    would give if it made the glue free. The profiler's per-operator overhead lands in
-    the glue, so the ceiling errs high."""
+    would give if it made the glue free (None when nothing is fixed). The profiler's
+    per-operator overhead lands in the glue, so the ceiling errs high."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
@@ -166,7 +166,7 @@ def kernel_breakdown(run: Callable[[], float]) -> dict[str, float]:
     fixed = kernels + outside
     return {"profiled_s": total, "kernels_s": kernels, "optimizer_s": outside,
             "glue_s": other, "kernel_share": fixed / total if total else 0.0,
-            "compile_ceiling": total / fixed if fixed else float("inf")}
+            "compile_ceiling": total / fixed if fixed else None}  # None: JSON has no inf
 
 
 @dataclass
@@ -260,8 +260,10 @@ def format_row(case: Case) -> str:
     if "open_clip" in r:
         cells += [f"open_clip {r['open_clip']['pairs_per_s']:.2f}", f"ratio {r['ratio']:.2f}x"]
     for name, parts in r.get("breakdown", {}).items():
+        ceiling = parts["compile_ceiling"]
         cells.append(f"{name}: kernels + optimizer {parts['kernel_share']:.0%} of the profiled "
-                     f"step, compile ceiling {parts['compile_ceiling']:.2f}x")
+                     "step, compile ceiling "
+                     + ("unbounded" if ceiling is None else f"{ceiling:.2f}x"))
     return " | ".join(cells)
 
 

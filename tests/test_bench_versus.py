@@ -9,7 +9,15 @@ import sys
 import pytest
 import torch
 
-from rwkv_clip.benchmark import Case, interleaved, kernel_breakdown, parse_list, summarise, table
+from rwkv_clip.benchmark import (
+    Case,
+    format_row,
+    interleaved,
+    kernel_breakdown,
+    parse_list,
+    summarise,
+    table,
+)
 from rwkv_clip.errors import ConfigError
 
 
@@ -64,7 +72,11 @@ def test_breakdown_splits_kernels_optimizer_and_glue():
     assert parts["compile_ceiling"] > 1.0
 
     only_glue = kernel_breakdown(lambda: float(torch.sin(x)[0]))
-    assert only_glue["kernels_s"] == 0 and only_glue["compile_ceiling"] == float("inf")
+    assert only_glue["kernels_s"] == 0 and only_glue["compile_ceiling"] is None  # not inf:
+    json.dumps(only_glue, allow_nan=False)                                     # strict JSON
+    case = Case("infer", 1, "fp32", "eager", {"rwkv_clip": {"pairs_per_s": 1.0},
+                                               "breakdown": {"rwkv_clip": only_glue}})
+    assert "compile ceiling unbounded" in format_row(case)
 
 
 def test_list_flags_are_checked():
