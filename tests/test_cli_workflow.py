@@ -1,0 +1,51 @@
+"""The command-line tools as a new user meets them: each succeeds where the docs say it
+does, and each failure is a message that points at the fix (first line the essential,
+exit status 2, no traceback)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
+
+
+def run(args: list[str], cwd: Path | None = None, env: dict | None = None,
+        timeout: float = 300) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1",
+                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, *args], cwd=cwd or REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_user_error(res: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit 2, no traceback, and the first stderr line holding ``error:`` has every
+    fragment; returns that message (the error line and the lines after it)."""
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out
+    assert "Traceback" not in out, out
+    lines = res.stderr.splitlines()
+    first = next(i for i, ln in enumerate(lines) if "error:" in ln)
+    message = "\n".join(lines[first:])
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+# ------------------------------------------------------------ python -m rwkv_clip.ops build
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+def test_ops_build_success_prints_what_it_built():
+    res = run(["-m", "rwkv_clip.ops", "build", "--no-cuda"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    ok = [ln for ln in res.stdout.splitlines() if ln.startswith("[ok] cpu kernel")]
+    assert len(ok) == 1, res.stdout
+    built = Path(ok[0].split(" -> ", 1)[1].rsplit(" (", 1)[0])
+    assert built.is_file() and built.suffix == ".so", ok[0]
+    assert "[skipped] CUDA kernels: --no-cuda" in res.stdout
+    assert res.stdout.rstrip().endswith("done")
