@@ -49,3 +49,36 @@ def test_ops_build_success_prints_what_it_built():
     assert built.is_file() and built.suffix == ".so", ok[0]
     assert "[skipped] CUDA kernels: --no-cuda" in res.stdout
     assert res.stdout.rstrip().endswith("done")
+
+
+# ------------------------------------------------------- errors from DataLoader workers
+TINY_CONFIG = str(REPO / "model_config" / "RWKV_CLIP_tiny.json")
+
+
+def tiny_train(data: str, out: Path, *extra: str) -> list[str]:
+    return ["train.py", "--config", TINY_CONFIG, "--train-data", data, "--output", str(out),
+            "--device", "cpu", "--batch-size", "2", "--epochs", "1", "--precision", "fp32",
+            "--progress", "False", "--final-zero-shot", "False", "--zero-shot-every", "0",
+            "--tensorboard", "False", *extra]
+
+
+def png(colour=(200, 30, 30), size=24) -> bytes:
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_parquet_junk_row_through_workers_is_one_data_error(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    images = [png() for _ in range(3)] + [b"not an image at all"]
+    pq.write_table(pa.table({"jpg": images, "caption": [f"a red square {i}" for i in range(4)]}),
+                   tmp_path / "bad.parquet")
+    res = run(tiny_train(str(tmp_path / "bad.parquet"), tmp_path / "run", "--data-format",
+                         "parquet", "--workers", "1", "--batch-size", "4"))
+    msg = assert_user_error(res, "bad.parquet", "row 3")
+    first = msg.splitlines()[0]
+    assert first.startswith("train.py: error: ") and "DataLoader worker" not in msg, msg

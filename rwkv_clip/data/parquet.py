@@ -43,7 +43,13 @@ import torch
 
 from ..errors import DataError
 from .tokens import encode_captions_batch, tokens_from_row
-from .torch_loader import MAX_SKIP_TRIES, image_tensor, private_generator
+from .torch_loader import (
+    MAX_SKIP_TRIES,
+    FailedSample,
+    image_tensor,
+    private_generator,
+    stop_workers,
+)
 from .wds import list_shards
 
 IMAGE_COLUMNS = ("jpg", "images", "image", "img")
@@ -482,7 +488,14 @@ class ParquetBatches(torch.utils.data.Dataset):
         return img, caps, self.rows.row_id(u, j)
 
     def __getitem__(self, item):
-        b, epoch = item
+        try:
+            return self._batch(*item)
+        except DataError as e:
+            # returned, not raised: raised in a worker it would reach the user as a worker
+            # traceback; the main process raises it (ParquetLoader.__iter__)
+            return FailedSample(e)
+
+    def _batch(self, b: int, epoch: int):
         plan = self.plan(epoch)
         lo = b * self.share.bs
         hi = min(lo + self.share.bs, self.share.length)
@@ -568,7 +581,11 @@ class ParquetLoader:
 
     def __iter__(self):
         self.skipped_epoch = 0
-        for imgs, toks, skipped in self._loader:
+        for batch in self._loader:
+            if isinstance(batch, FailedSample):
+                stop_workers(self._loader)
+                raise batch.error
+            imgs, toks, skipped = batch
             if skipped:
                 self.skipped += int(skipped)
                 self.skipped_epoch += int(skipped)

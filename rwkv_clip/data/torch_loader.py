@@ -235,12 +235,12 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 if not self.skip_corrupt or len(failed) >= min(MAX_SKIP_TRIES, n - 1):
                     # returned, not raised: raised in a worker it would reach the user as
                     # a worker traceback; the main process raises it (TorchLoader.__iter__)
-                    return _Failed(e)
+                    return FailedSample(e)
                 failed.append(j)
                 j = (j + 1) % n
 
 
-class _Failed:
+class FailedSample:
     """A sample that could not be loaded: its DataError, carried to the main process."""
 
     def __init__(self, error: DataError):
@@ -248,12 +248,21 @@ class _Failed:
 
 
 def _collate(batch):
-    failed = [b for b in batch if isinstance(b, _Failed)]
+    failed = [b for b in batch if isinstance(b, FailedSample)]
     if failed:
         return failed[0]
     imgs = torch.stack([b[0] for b in batch])
     toks = torch.stack([b[1] for b in batch]).to(torch.int64)
     return imgs, toks, [j for b in batch for j in b[2]]
+
+
+def stop_workers(loader: torch.utils.data.DataLoader) -> None:
+    """Shut ``loader``'s worker processes down before an error leaves it, so none is left
+    starting up against a main process that is exiting (their noise buried the error)."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+    loader._iterator = None
 
 
 class ShardSampler(torch.utils.data.Sampler):
@@ -346,7 +355,7 @@ class TorchLoader:
         self.skipped_epoch = 0
         met: set[int] = set()  # bad records met this epoch: each counts once, as in DALI
         for batch in self._loader:
-            if isinstance(batch, _Failed):
+            if isinstance(batch, FailedSample):
                 self._stop_workers()
                 raise batch.error
             imgs, toks, failed = batch
@@ -361,13 +370,7 @@ class TorchLoader:
             yield imgs, toks
 
     def _stop_workers(self) -> None:
-        """Shut the worker processes down before an error leaves the loader, so none is
-        left starting up against a main process that is exiting (their noise buried the
-        error)."""
-        it = getattr(self._loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        self._loader._iterator = None
+        stop_workers(self._loader)
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch`` (a resumed run): its permutation and draws."""

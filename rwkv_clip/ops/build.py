@@ -192,7 +192,8 @@ def _prepare_cuda_toolchain() -> Path:
                      "with bin/nvcc and lib64/libcudart*); set CUDA_HOME or put nvcc on PATH")
     if not os.environ.get("CUDA_HOME"):
         os.environ["CUDA_HOME"] = str(home)
-    import torch.utils.cpp_extension as ext
+    with _quiet_logger("torch.utils.cpp_extension"):  # "No CUDA runtime" on CPU hosts
+        import torch.utils.cpp_extension as ext
     cur = getattr(ext, "CUDA_HOME", None)
     if cur is None or not _is_toolkit_root(Path(cur)):
         ext.CUDA_HOME = str(home)  # cpp_extension guessed wrongly at import (wrapper nvcc)
