@@ -131,6 +131,14 @@ def _looks_like_path(text: str) -> bool:
     return text.lower().endswith(WEIGHT_SUFFIXES) or os.sep in text or "/" in text
 
 
+def is_weights_name(pretrained: str | os.PathLike) -> bool:
+    """True for a name (``NAME:TAG``, ``hf-hub:...``), False for a local file's path."""
+    text = str(pretrained).strip()
+    if text.startswith(HF_HUB_PREFIX):
+        return True
+    return not Path(text).is_file() and not _looks_like_path(_split_revision(text)[0])
+
+
 def resolve_pretrained(pretrained: str | os.PathLike, model_name: str | None = None, *,
                        revision: str | None = None,
                        cache_dir: str | os.PathLike | None = None) -> ResolvedWeights:

@@ -82,3 +82,25 @@ def test_parquet_junk_row_through_workers_is_one_data_error(tmp_path):
     msg = assert_user_error(res, "bad.parquet", "row 3")
     first = msg.splitlines()[0]
     assert first.startswith("train.py: error: ") and "DataLoader worker" not in msg, msg
+
+
+# ------------------------------------------------------------- where evaluation results go
+@pytest.mark.parametrize("name, folder", [
+    ("hf-hub:Kaichengalex/RWKV-CLIP-B32-YFCC15M", "Kaichengalex_RWKV-CLIP-B32-YFCC15M"),
+    ("hf-hub:Owner/Repo/model.safetensors@v1", "Owner_Repo_model.safetensors_v1"),
+    ("RWKV-CLIP-B32:yfcc15m", "RWKV-CLIP-B32_yfcc15m"),
+])
+def test_results_of_weights_by_name_go_to_one_plain_folder(name, folder, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from rwkv_clip.eval.runner import output_paths
+    monkeypatch.chdir(tmp_path)
+    opts = SimpleNamespace(model_weight=None, pretrained=name, output_dir=None, score_file=None)
+    json_dir, score = output_paths(opts)
+    assert json_dir == Path("runs") / "pretrained" / folder / "eval_results"
+    assert score.parent == json_dir and not any(":" in part for part in json_dir.parts)
+    # a local file given as --pretrained still keeps its results beside it
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "model.pt").write_bytes(b"")
+    opts.pretrained = "w/model.pt"
+    assert output_paths(opts)[0].resolve() == (tmp_path / "w" / "eval_results").resolve()

@@ -164,6 +164,7 @@ def build_parser(retrieval: bool = False) -> argparse.ArgumentParser:
                         "ending in .txt is read as the original's score file and the JSONs "
                         "go beside it. Default: beside the evaluated run (runs/X/eval_results "
                         "for runs/X/checkpoints/Y.pt, <folder>/eval_results for other weights, "
+                        "runs/pretrained/<name>/eval_results for weights by name, "
                         "runs/zero_shot/eval_results for a fresh model)")
     g.add_argument("--score-file", default=None, metavar="TXT",
                    help="text file to append the original's comma-separated score line to")

@@ -5,6 +5,7 @@ the JSON results, the summary table and the original's score line. The CLIs
 (:mod:`rwkv_clip.eval.cli`) only parse arguments and call :func:`run`."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,7 +15,13 @@ import torch
 from ..config import ConfigError, available_configs, model_args_from_dict, read_config_json
 from ..distributed import DistInfo, cleanup_distributed, init_distributed
 from ..precision import get_precision
-from ..pretrained import apply_overrides, infer_config, resolve_pretrained
+from ..pretrained import (
+    HF_HUB_PREFIX,
+    apply_overrides,
+    infer_config,
+    is_weights_name,
+    resolve_pretrained,
+)
 from .cli import ARCH_FLAGS
 from .datasets import PAPER_DATASETS, EvalError, build_classification_set, canonical_name
 from .results import append_score_line, result_record, summary, write_result
@@ -137,15 +144,28 @@ def builtin_folder() -> str:
 
 def default_output_dir(opts) -> Path:
     """Beside the evaluated checkpoint's run: ``runs/X/checkpoints/Y.pt`` ->
-    ``runs/X/eval_results``, other weights -> ``<their folder>/eval_results``; a fresh
-    model -> ``runs/zero_shot/eval_results``. Never the current folder itself."""
+    ``runs/X/eval_results``, other weights -> ``<their folder>/eval_results``; published
+    weights by name (``NAME:TAG``, ``hf-hub:OWNER/REPO``) -> ``runs/pretrained/<name as
+    one folder>/eval_results``; a fresh model -> ``runs/zero_shot/eval_results``. Never
+    the current folder itself."""
     weight = opts.model_weight or opts.pretrained
     if not weight:
         return Path("runs") / "zero_shot" / DEFAULT_OUTPUT_DIR
+    if not opts.model_weight and is_weights_name(weight):
+        return Path("runs") / "pretrained" / name_as_folder(weight) / DEFAULT_OUTPUT_DIR
     folder = Path(weight).resolve().parent
     if folder.name == "checkpoints":
         folder = folder.parent
     return folder / DEFAULT_OUTPUT_DIR
+
+
+def name_as_folder(name: str) -> str:
+    """A weights name as one folder name: ``hf-hub:Owner/Repo@rev`` -> ``Owner_Repo_rev``,
+    ``RWKV-CLIP-B32:yfcc15m`` -> ``RWKV-CLIP-B32_yfcc15m``."""
+    text = str(name).strip()
+    if text.startswith(HF_HUB_PREFIX):
+        text = text[len(HF_HUB_PREFIX):]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "weights"
 
 
 def output_paths(opts) -> tuple[Path, Path]:
