@@ -182,7 +182,12 @@ def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
               for k, v in state_dict.items() if k in expected and v.shape != expected[k].shape]
     if not (missing or unexpected or shapes):
         return
-    lines = [f"checkpoint {source} does not fit this model config:"]
+    from .pretrained import infer_config
+
+    fits = infer_config(state_dict)
+    hint = (f"; its shapes fit model_config/{fits}.json (pass --config {fits}, or "
+            f"load_model_configs({fits!r}) in Python)" if fits else "")
+    lines = [f"checkpoint {source} does not fit this model config{hint}"]
     for title, items in (("missing keys", missing), ("unexpected keys", unexpected),
                          ("shape mismatches", shapes)):
         if items:

@@ -139,6 +139,23 @@ def is_weights_name(pretrained: str | os.PathLike) -> bool:
     return not Path(text).is_file() and not _looks_like_path(_split_revision(text)[0])
 
 
+def published_config(pretrained: str | os.PathLike) -> str | None:
+    """The shipped config a published name was trained with, without downloading: the
+    registry's for ``NAME:TAG`` and a known ``hf-hub:`` repository; None for a local file
+    or another repository. An unknown ``NAME:TAG`` raises :class:`CheckpointError`."""
+    text = str(pretrained).strip()
+    if text.startswith(HF_HUB_PREFIX):
+        spec = _split_revision(text[len(HF_HUB_PREFIX):])[0]
+        repo = "/".join(spec.strip("/").split("/")[:2]).lower()
+        known = next((p for p in PRETRAINED if p.hf_repo.lower() == repo), None)
+        return known.config if known else None
+    spec = _split_revision(text)[0]
+    if not is_weights_name(text) or ":" not in spec:
+        return None
+    name, tag = spec.split(":", 1)
+    return get_pretrained_cfg(name, tag).config
+
+
 def resolve_pretrained(pretrained: str | os.PathLike, model_name: str | None = None, *,
                        revision: str | None = None,
                        cache_dir: str | os.PathLike | None = None) -> ResolvedWeights:

@@ -104,3 +104,49 @@ def test_results_of_weights_by_name_go_to_one_plain_folder(name, folder, tmp_pat
     (tmp_path / "w" / "model.pt").write_bytes(b"")
     opts.pretrained = "w/model.pt"
     assert output_paths(opts)[0].resolve() == (tmp_path / "w" / "eval_results").resolve()
+
+
+# -------------------------------------------------------------- train.py --pretrained
+@pytest.mark.parametrize("name, config", [
+    ("RWKV-CLIP-B32:yfcc15m", "RWKV_CLIP_B32"),
+    ("hf-hub:Kaichengalex/RWKV-CLIP-B16-LAION10M", "RWKV_CLIP_B16"),
+])
+def test_train_pretrained_name_takes_its_config(name, config):
+    import json
+
+    from rwkv_clip.train.args import parse_args
+    args = parse_args(["--pretrained", name])
+    shipped = json.loads((REPO / "model_config" / f"{config}.json").read_text())
+    assert args.config_source.startswith(str(REPO / "model_config" / f"{config}.json"))
+    for key in ("n_embd", "n_layer", "ctx_len", "image_patch_size", "input_size"):
+        assert args.model_config[key] == shipped[key], key
+    # an explicit --config still wins
+    assert parse_args(["--pretrained", name, "--config", "RWKV_CLIP_tiny"]).n_embd != shipped["n_embd"]
+
+
+def make_tiny_rec(folder: Path) -> str:
+    sys.path.insert(0, str(REPO / "tests"))
+    from train_util import make_tiny_rec as make
+    return make(folder, n=8)
+
+
+def test_train_pretrained_file_of_another_config_names_the_config_it_fits(tmp_path):
+    from safetensors.torch import save_file
+
+    from rwkv_clip import create_RWKV_Model, load_model_configs
+    from rwkv_clip.errors import CheckpointError
+    from rwkv_clip.model import load_model_weight
+    from rwkv_clip.train.args import parse_args
+    from rwkv_clip.train.loop import build_model
+    model = create_RWKV_Model(load_model_configs("RWKV_CLIP_tiny"))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    args = parse_args(["--pretrained", str(tmp_path / "model.safetensors"), "--device", "cpu"])
+    from rwkv_clip.distributed import DistInfo
+    with pytest.raises(CheckpointError) as info:
+        build_model(args, DistInfo(), print)
+    first = str(info.value).splitlines()[0]
+    assert "model.safetensors" in first and "fit model_config/RWKV_CLIP_tiny.json" in first
+    assert "--config RWKV_CLIP_tiny" in first
+    load_model_weight(create_RWKV_Model(load_model_configs("RWKV_CLIP_tiny")),
+                      tmp_path / "model.safetensors")  # and it does load there

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import ConfigError, ModelArgs, parse_bool, read_config_json
-from ..errors import EXIT_USER_ERROR, TrainArgsError, report
+from ..errors import EXIT_USER_ERROR, CheckpointError, TrainArgsError, report
 from ..precision import PRECISIONS
+from ..pretrained import published_config
 
 DEFAULT_CONFIG = "RWKV_CLIP_small"
 
@@ -125,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", default=None, metavar="JSON",
                    help="model config (path or shipped name, e.g. model_config/"
                         "RWKV_CLIP_B32.json or RWKV_CLIP_small); tower flags override its "
-                        f"keys. Default: {DEFAULT_CONFIG}")
+                        f"keys. Default: the config of a published --pretrained name, else "
+                        f"{DEFAULT_CONFIG}")
 
     g = p.add_argument_group("image tower (original flags; default: from the config)")
     g.add_argument("--input-size", type=int, default=None, help="image side in pixels")
@@ -188,8 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", default=None, metavar="latest|PATH",
                    help="continue a run: 'latest' = OUTPUT/checkpoints/epoch_latest.pt "
                         "(fresh start if none), or a checkpoint path")
-    g.add_argument("--pretrained", default=None, metavar="PATH",
-                   help="initial weights (ours or the original's), fresh optimizer/schedule")
+    g.add_argument("--pretrained", default=None, metavar="NAME:TAG|PATH|hf-hub:...",
+                   help="initial weights (ours or the original's; a file, a published name "
+                        "such as RWKV-CLIP-B32:yfcc15m, whose config is then the default, or "
+                        "hf-hub:OWNER/REPO[/FILE]), fresh optimizer/schedule")
     _bool_flag(g, "--lock-image", False, "freeze the image tower")
     _bool_flag(g, "--lock-text", False, "freeze the text tower")
     g.add_argument("--accum-mode", choices=("exact", "mean"), default="exact",
@@ -224,16 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_model_config(args: argparse.Namespace) -> tuple[ModelArgs, str]:
-    """The model settings of parsed flags: the chosen config (``--config``, default
-    ``RWKV_CLIP_small``) with every tower and shared flag given overriding its key; and
-    where they came from (the config's path and the overriding flags, for the log)."""
-    params, path = read_config_json(args.config if args.config is not None else DEFAULT_CONFIG)
+    """The model settings of parsed flags: the chosen config (``--config``, else the one
+    a published ``--pretrained`` name was trained with, else ``RWKV_CLIP_small``) with
+    every tower and shared flag given overriding its key; and where they came from (the
+    config's path and the overriding flags, for the log)."""
+    config, named_by = args.config, None
+    if config is None and getattr(args, "pretrained", None):
+        config = published_config(args.pretrained)
+        named_by = f"the config of --pretrained {args.pretrained}" if config else None
+    params, path = read_config_json(config if config is not None else DEFAULT_CONFIG)
     flags = [f for f in (*TOWER_KEYS, *SHARED_FLAGS) if getattr(args, f) is not None]
     given = {SHARED_FLAGS.get(f, f): getattr(args, f) for f in flags}
     if "n_embd" in given:  # derived widths follow a new n_embd unless given too
         for k in ("dim_att", "dim_ffn"):
             given.setdefault(k, 0)
-    source = str(path)
+    source = str(path) + (f" ({named_by})" if named_by else "")
     if flags:
         source += " overridden by " + ", ".join("--" + f.replace("_", "-") for f in flags)
     model = ModelArgs.from_dict({**params, **given}, source=f"model config {source}")
@@ -294,7 +303,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.explicit = explicit_dests(argv)  # what a resume may not silently override
     try:
         return resolve_args(args)
-    except (TrainArgsError, ConfigError) as exc:
+    except (TrainArgsError, ConfigError, CheckpointError) as exc:
         report(exc, parser.prog)
         raise SystemExit(EXIT_USER_ERROR) from None
 
