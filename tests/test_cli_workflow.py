@@ -150,3 +150,71 @@ def test_train_pretrained_file_of_another_config_names_the_config_it_fits(tmp_pa
     assert "--config RWKV_CLIP_tiny" in first
     load_model_weight(create_RWKV_Model(load_model_configs("RWKV_CLIP_tiny")),
                       tmp_path / "model.safetensors")  # and it does load there
+
+
+# ------------------------------------------------------------------ the memory planner
+def test_planner_flags_mean_what_train_flags_mean():
+    import json
+    argv = ["-m", "rwkv_clip.memory", "--config", "RWKV_CLIP_tiny", "--batch-size", "64",
+            "--gradient-acc", "4", "--gpus", "8", "--precision", "bf16"]
+    res = run([*argv, "--json"])
+    assert res.returncode == 0, res.stderr
+    est = json.loads(res.stdout)["estimate"]
+    assert est["micro_batch"] == 64 and est["batch_size"] == 64 * 4  # per GPU per step
+    from rwkv_clip.train.args import parse_args
+    train = parse_args(["--batch-size", "64", "--gradient-acc", "4"])
+    assert (train.batch_size, train.gradient_acc) == (est["micro_batch"], est["gradient_acc"])
+    text = run(argv)
+    assert text.returncode == 0, text.stderr
+    first = text.stdout.splitlines()[0]
+    assert "--batch-size 64 (micro-batch per GPU) x --gradient-acc 4 x 8 GPU(s) = 2048" in first
+    table = text.stdout.split("largest --batch-size that fits", 1)[1].splitlines()[1:7]
+    assert [int(row.split()[-1]) for row in table] == [b // 4 for b in est["max_batch"].values()]
+
+
+def test_planner_optimizer_step_has_no_temporaries():
+    """The trainer's optimizer (fused AdamW) and clipping allocate nothing parameter-sized,
+    and the estimate of the optimizer step counts none."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from rwkv_clip.memory import build_model, training_peak
+    from rwkv_clip.memory.measure import trainer_defaults
+    from rwkv_clip.train.loop import build_optimizer
+    args, model = build_model("RWKV_CLIP_tiny", "cpu", False, None)
+    optimizer = build_optimizer(model, trainer_defaults())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # the moments exist (steady state)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    live = peak = 0
+    events = prof.profiler.kineto_results.events()
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert peak < largest / 100, peak
+    tr = training_peak(args, 16, "fp32", device="cpu")
+    persistent = (tr["parameter_bytes"] + tr["optimizer_bytes"] + tr["input_bytes"]
+                  + tr["gradient_bytes"])
+    assert tr["training_peak_bytes"] >= persistent
+    if tr["training_peak_phase"] == "optimizer step":
+        assert tr["training_peak_bytes"] == persistent and tr["workspace_bytes"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, batch, checkpointing", [
+    ("RWKV_CLIP_tiny", 16, False),   # the smallest config, batch 16, fp32
+    ("RWKV_CLIP_tiny", 4, False),
+    ("RWKV_CLIP_small", 16, True),
+])
+def test_planner_estimate_within_15_percent_of_measure(config, batch, checkpointing):
+    import json
+    argv = ["-m", "rwkv_clip.memory", "--config", config, "--batch-size", str(batch),
+            "--precision", "fp32", "--device", "cpu", "--measure", "--json"]
+    res = run(argv + (["--checkpointing"] if checkpointing else []), timeout=900)
+    assert res.returncode == 0, res.stderr
+    ratio = json.loads(res.stdout)["measured"]["ratio_estimate_to_measured"]
+    assert abs(ratio - 1) < 0.15, ratio

@@ -188,7 +188,8 @@ def test_cli_json(repo_root):
                           "--gradient-acc", "2", "--gpus", "2", "--json"],
                          capture_output=True, text=True, check=True, cwd=repo_root)
     est = json.loads(out.stdout)["estimate"]
-    assert est["micro_batch"] == 32 and est["checkpointing"] and est["gpus"] == 2
+    assert est["micro_batch"] == 64 and est["batch_size"] == 128  # train.py's meaning
+    assert est["checkpointing"] and est["gpus"] == 2
     for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes",
                 "training_peak_bytes", "inference_peak_bytes"):
         assert est[key] > 0
@@ -200,8 +201,7 @@ def test_cli_json(repo_root):
     (["--config", "no_such_config.json"], "no_such_config.json"),
     (["--config", "RWKV_CLIP_tiny", "--batch-size", "0"], "--batch-size"),
     (["--config", "RWKV_CLIP_tiny", "--batch-size", "ten"], "--batch-size"),
-    (["--config", "RWKV_CLIP_tiny", "--batch-size", "30", "--gradient-acc", "4"],
-     "--gradient-acc"),
+    (["--config", "RWKV_CLIP_tiny", "--gradient-acc", "0"], "--gradient-acc"),
     (["--config", "RWKV_CLIP_tiny", "--precision", "fp8"], "fp8"),
     (["--config", "RWKV_CLIP_tiny", "--measure", "--gpus", "2"], "--gpus"),
     (["--config", "RWKV_CLIP_tiny", "--no-such-flag"], "--no-such-flag"),
