@@ -218,3 +218,83 @@ def test_planner_estimate_within_15_percent_of_measure(config, batch, checkpoint
     assert res.returncode == 0, res.stderr
     ratio = json.loads(res.stdout)["measured"]["ratio_estimate_to_measured"]
     assert abs(ratio - 1) < 0.15, ratio
+
+
+# ------------------------------------------------------------ errors that point at the fix
+def parse_error(capsys, argv: list[str]) -> str:
+    from rwkv_clip.train.args import parse_args
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_train_data_of_pairs_says_to_convert_it(tmp_path, capsys):
+    for name in ("pairs.jsonl", "pairs.csv"):
+        (tmp_path / name).write_text('{"image": "a.jpg", "raw": "a cat"}\n')
+        err = parse_error(capsys, ["--train-data", str(tmp_path / name)])
+        first = err.splitlines()[0]
+        assert first.startswith("train.py: error: ") and "scripts/make_rec.py" in first, err
+        assert str(tmp_path / name) in first
+
+
+def test_folder_of_parquet_suggests_the_data_format(tmp_path, capsys):
+    (tmp_path / "i2d").mkdir()
+    (tmp_path / "i2d" / "00000.parquet").write_bytes(b"")
+    err = parse_error(capsys, ["--train-data", str(tmp_path / "i2d")])
+    assert "--data-format parquet" in err.splitlines()[0], err
+    from rwkv_clip.train.args import parse_args
+    assert parse_args(["--train-data", str(tmp_path / "i2d"), "--data-format",
+                       "parquet"]).data_format == "parquet"
+
+
+def test_missing_rec_names_the_prefix_rule(tmp_path):
+    from rwkv_clip.data import DataError
+    from rwkv_clip.data.recordio import RecordIOReader
+    with pytest.raises(DataError, match="make_rec.py") as info:
+        RecordIOReader(str(tmp_path / "nowhere"))
+    assert str(tmp_path / "nowhere.rec") in str(info.value)
+
+
+def test_make_rec_parquet_skips_name_file_row_and_key(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"key": ["000000000", "000000001", "000000002"],
+                             "jpg": [png(), None, png()], "caption": ["a", "b", "c"],
+                             "status": ["success", "failed_to_download", "success"]}),
+                   tmp_path / "00000.parquet", row_group_size=2)
+    res = run(["scripts/make_rec.py", str(tmp_path / "00000.parquet"), str(tmp_path / "out"),
+               "--no-progress"])
+    assert res.returncode == 0, res.stderr
+    assert "written: 2  skipped: 1" in res.stdout
+    example = next(ln for ln in res.stdout.splitlines() if "e.g." in ln)
+    assert "00000.parquet:row 1" in example and "'000000001'" in example, res.stdout
+    assert "failed_to_download" in example and "None" not in example
+
+
+def test_make_rec_missing_images_name_the_path_tried(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "pairs.jsonl").write_text(
+        '{"image": "img/a.jpg", "raw": "a cat"}\n{"image": "img/b.jpg", "raw": "a dog"}\n')
+    res = run([str(REPO / "scripts" / "make_rec.py"), str(tmp_path / "data" / "pairs.jsonl"),
+               str(tmp_path / "out"), "--no-progress"], cwd=tmp_path)
+    msg = assert_user_error(res, "no usable samples")
+    lines = msg.splitlines()
+    assert lines[0].startswith("make_rec.py: error: no usable samples"), msg
+    assert str(tmp_path / "out.rec") in lines[0]
+    assert any(ln.strip() == "2 x image file not found" for ln in lines[1:]), msg
+    tried = [ln for ln in lines if "tried" in ln]
+    assert str(tmp_path / "data" / "img" / "a.jpg") in tried[0], msg
+    assert "relative to the folder of pairs.jsonl" in tried[0]
+
+
+def test_multi_line_messages_keep_their_lines(capsys):
+    from rwkv_clip.errors import CheckpointError, DataError, report
+    report(CheckpointError("checkpoint w.pt does not fit\n  missing keys (2): a, b\n"
+                           "  unexpected keys (1): c"), "zero_shot.py")
+    report(DataError("no usable samples\n3 x bad image", "in.jsonl", 7), "make_rec.py")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["zero_shot.py: error: checkpoint w.pt does not fit",
+                   "  missing keys (2): a, b", "  unexpected keys (1): c",
+                   "make_rec.py: error: no usable samples | file: in.jsonl | record: 7",
+                   "  3 x bad image"]

@@ -181,6 +181,7 @@ class ParquetIndex:
     units: list = field(default_factory=list)
     num_rows: int = 0           # rows of the readable files, filtered ones included
     filtered: int = 0           # rows with status != "success"
+    filtered_rows: list = field(default_factory=list)  # [(file index, group, row in group)]
     bad: list = field(default_factory=list)     # [(file, None, reason)] files dropped
     bad_rows: int = 0           # rows in dropped files
     rows_unknown: str | None = None  # a dropped file whose rows could not be counted
@@ -245,6 +246,9 @@ def index_parquet(spec, image_column: str | None = None, caption_columns=None,
             rows = (_status_rows(pf, g) if out.columns.status
                     else np.arange(n, dtype=np.int32))
             out.filtered += n - len(rows)
+            if len(rows) < n:
+                out.filtered_rows += [(fi, g, int(r)) for r in
+                                      np.setdiff1d(np.arange(n, dtype=np.int32), rows)]
             if len(rows):
                 out.units.append(Unit(fi, g, row, global_row + row, rows))
             row += n
@@ -631,8 +635,21 @@ def iter_parquet_samples(spec, image_column: str | None = None, caption_columns=
 def _parquet_samples(index: ParquetIndex):
     for path, _, reason in index.bad:
         yield {"name": os.path.basename(path), "error": reason}
-    for _ in range(index.filtered):
-        yield {"name": None, "error": "img2dataset status is not 'success'"}
+    _, pq = _pa()
+    first_rows: dict[tuple[int, int], int] = {}  # (file, group) -> its first row in the file
+    for k, (fi, g, r) in enumerate(index.filtered_rows):
+        path = index.files[fi]
+        if (fi, g) not in first_rows:
+            md = pq.ParquetFile(path).metadata
+            first_rows[(fi, g)] = sum(md.row_group(i).num_rows for i in range(g))
+        detail = None
+        if k < 20:  # the first ones as examples: their key and status
+            pf = pq.ParquetFile(path)
+            cols = [c for c in ("key", STATUS_COLUMN) if c in pf.schema_arrow.names]
+            row = pf.read_row_group(g, columns=cols).slice(r, 1).to_pylist()[0]
+            detail = ", ".join(f"{c} {row[c]!r}" for c in cols)
+        yield {"name": f"{os.path.basename(path)}:row {first_rows[(fi, g)] + r}",
+               "error": "img2dataset status is not 'success'", "detail": detail}
     rows = ParquetRows(index, cache_rows=1)
     for u, unit in enumerate(index.units):
         for j in range(len(unit.rows)):

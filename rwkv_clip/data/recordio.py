@@ -217,7 +217,8 @@ class RecordIOReader:
     def __init__(self, prefix: str, check_index: bool = True):
         self.rec_path, self.idx_path = rec_paths(prefix)
         if not os.path.isfile(self.rec_path):
-            raise DataError("record file not found", self.rec_path)
+            raise DataError("record file not found (a .rec path is PREFIX.rec + PREFIX.idx, "
+                        "as scripts/make_rec.py writes them)", self.rec_path)
         self.rec_size = os.path.getsize(self.rec_path)
         if self.rec_size == 0:
             raise DataError("record file is empty", self.rec_path)
@@ -413,7 +414,8 @@ def check_rec(prefix: str, level: str = "full", check_image: bool = True,
     """
     rec_path, idx_path = rec_paths(prefix)
     if not os.path.isfile(rec_path):
-        raise DataError("record file not found", rec_path)
+        raise DataError("record file not found (a .rec path is PREFIX.rec + PREFIX.idx, "
+                        "as scripts/make_rec.py writes them)", rec_path)
     rec_size = os.path.getsize(rec_path)
     if rec_size == 0:
         raise DataError("record file is empty", rec_path)

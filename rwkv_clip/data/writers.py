@@ -52,7 +52,12 @@ JPEG_QUALITY = 95
 
 
 class SkipSample(Exception):
-    """Raised for one input sample that cannot be used; the message is the reason."""
+    """Raised for one input sample that cannot be used; the message is the reason (what
+    the summary counts), ``detail`` what is particular to the sample (the path tried)."""
+
+    def __init__(self, reason: str, detail: str | None = None):
+        super().__init__(reason)
+        self.detail = detail
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -113,9 +118,12 @@ def iter_pairs_file(path: str, encoding: str = "utf-8") -> Iterator[dict]:
             if not img:
                 yield {"name": name, "error": "no image path"}
                 continue
-            img_path = img if os.path.isabs(img) else os.path.join(base, img)
+            relative = not os.path.isabs(img)
+            img_path = os.path.join(base, img) if relative else img
             yield {"name": name, "image_path": img_path, "raw": raw,
-                   "synthetic": syn, "generated": gen}
+                   "synthetic": syn, "generated": gen,
+                   "image_note": f"{img!r} is relative to the folder of {os.path.basename(path)}"
+                   if relative else None}
 
 
 def _group_sample(name: str, g: dict) -> dict:
@@ -296,13 +304,14 @@ def _load_bytes(sample: dict) -> bytes:
     if "image_bytes" in sample:
         return sample["image_bytes"]
     p = sample["image_path"]
+    tried = f"tried {p}" + (f"; {sample['image_note']}" if sample.get("image_note") else "")
     try:
         with open(p, "rb") as f:
             return f.read()
     except FileNotFoundError:
-        raise SkipSample("image file not found") from None
+        raise SkipSample("image file not found", tried) from None
     except OSError as e:
-        raise SkipSample(f"image file unreadable ({e.strerror})") from None
+        raise SkipSample(f"image file unreadable ({e.strerror})", tried) from None
 
 
 def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_examples: list,
@@ -325,7 +334,7 @@ def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_example
     for s in samples:
         try:
             if "error" in s:
-                raise SkipSample(s["error"])
+                raise SkipSample(s["error"], s.get("detail"))
             stored = s.get("tokens")
             raw = s.get("raw")
             if stored is None and (not isinstance(raw, str) or not raw.strip()):
@@ -335,7 +344,8 @@ def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_example
             reason = str(e)
             summary["skipped: " + reason] += 1
             if len(skipped_examples) < 20:
-                skipped_examples.append((s.get("name"), reason))
+                skipped_examples.append((s.get("name"), reason + (f" ({e.detail})" if e.detail
+                                                                  else "")))
             continue
         caps = None if stored is not None else (raw.strip(), s.get("synthetic"),
                                                 s.get("generated"))
@@ -366,11 +376,18 @@ def write_rec(samples: Iterable[dict], prefix: str, resize: int | None = None,
                                         resize, summary, examples):
             writer.write_image_record(writer.count, labels_for_rec(tok), jpg)
         if writer.count == 0:
-            raise DataError("no usable samples in the input; nothing written "
-                            f"({dict(summary)})", prefix + ".rec")
+            raise nothing_written(summary, examples, prefix + ".rec")
     return {"written": writer.count, "skipped": sum(summary.values()),
             "reasons": dict(summary), "examples": examples,
             "outputs": [prefix + ".rec", prefix + ".idx"]}
+
+
+def nothing_written(summary: Counter, examples: list, output: str) -> DataError:
+    """Every sample was skipped: the error says so first, then the reasons and examples."""
+    lines = [f"no usable samples in the input; nothing written to {output}"]
+    lines += [f"{n} x {reason.removeprefix('skipped: ')}" for reason, n in summary.most_common()]
+    lines += [f"e.g. {name}: {reason}" for name, reason in examples[:5]]
+    return DataError("\n".join(lines))
 
 
 def tokens_to_bytes(tok: np.ndarray) -> bytes:
@@ -426,8 +443,7 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
             os.remove(shards[-1] + ".tmp")
             shards.pop()
     if n == 0:
-        raise DataError(f"no usable samples in the input; nothing written ({dict(summary)})",
-                        prefix)
+        raise nothing_written(summary, examples, prefix + "-*.tar")
     return {"written": n, "skipped": sum(summary.values()), "reasons": dict(summary),
             "examples": examples, "outputs": shards}
 

@@ -291,7 +291,39 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             args.data_format = "rec"
     if args.data_format != "builtin" and not args.train_data:
         raise TrainArgsError(f"--data-format {args.data_format} needs --train-data")
+    check_train_data(args)
     return args
+
+
+PAIRS_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")
+
+
+def check_train_data(args: argparse.Namespace) -> None:
+    """Catch training data given in a form the chosen loader cannot read, with the fix:
+    a JSONL/CSV of pairs (convert it with make_rec.py) or a folder of parquet / .tar
+    shards read as a .rec prefix (name the format)."""
+    import os
+
+    data, fmt = args.train_data, args.data_format
+    if not data or fmt in ("builtin", "parquet"):
+        return
+    if data.lower().endswith(PAIRS_SUFFIXES):
+        raise TrainArgsError(
+            f"--train-data {data} is a table of image-caption pairs, which train.py does not "
+            f"read directly: convert it first with python scripts/make_rec.py {data} "
+            "data/train, then pass --train-data data/train (see docs/own-data.md)")
+    if fmt == "rec" and os.path.isdir(data):
+        names = os.listdir(data)
+        for suffix, flag in ((".parquet", "parquet"), (".tar", "wds")):
+            if any(n.endswith(suffix) for n in names):
+                raise TrainArgsError(
+                    f"--train-data {data} is a folder of {suffix} files, read here as a .rec "
+                    f"prefix: pass --data-format {flag}")
+        if any(n.endswith(".rec") for n in names):
+            recs = sorted(n[:-4] for n in names if n.endswith(".rec"))
+            raise TrainArgsError(
+                f"--train-data {data} is a folder; pass the .rec prefix, e.g. --train-data "
+                f"{os.path.join(data, recs[0])}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
