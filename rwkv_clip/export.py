@@ -66,6 +66,11 @@ def save_state_dict(state: dict[str, torch.Tensor], out: str | os.PathLike,
                                   "(pip install safetensors)") from None
         # safetensors refuses tensors that share storage: give each its own
         save_file({k: v.clone() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+        # safetensors writes its file 0600; a file to publish gets a new file's usual mode
+        # (0644 under the common umask 022), as torch.save's .pt does
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
     else:
         torch.save(state, tmp)
     os.replace(tmp, out)

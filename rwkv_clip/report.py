@@ -42,6 +42,7 @@ _ZERO_SHOT = re.compile(r"zero-shot \((.+?)\) on (.+): top-1 ([\d.]+)%(?:, top-5
 _STEPS = re.compile(r"(\d+) optimizer steps/epoch, (\d+) steps in all")
 _RUN_START = re.compile(r"rank \d+/\d+ on ")
 _RESUMED = re.compile(r"resumed from .*: step (\d+)")
+_SCHEDULE = re.compile(r"learning rate: (\w+) schedule, peak (\S+), warmup (\S+), (\d+) steps")
 
 
 @dataclass
@@ -55,6 +56,17 @@ class TrainingCurves:
     zero_shot_dir: str | None = None
     steps_per_epoch: int | None = None
     total_steps: int | None = None
+    schedule: dict | None = None  # lr_at's keywords, from the run's "learning rate:" line
+
+    def lr_curve(self) -> tuple[list[int], list[float]]:
+        """(steps, lr) at every step up to the last logged one, exact from the schedule
+        where the log states it, else the logged (rounded) values."""
+        if self.schedule is None or not self.steps:
+            return self.steps, self.lr
+        from .train.schedule import lr_at
+        steps = list(range(1, self.steps[-1] + 1))
+        total = self.schedule["total_steps"]
+        return steps, [lr_at(min(s, total - 1), **self.schedule)[0] for s in steps]
 
 
 def parse_training_log(path: str | os.PathLike) -> TrainingCurves:
@@ -71,6 +83,10 @@ def parse_training_log(path: str | os.PathLike) -> TrainingCurves:
                 fresh = False
                 last_step = int(m.group(1))
                 _drop_after(curves, last_step)
+                continue
+            if m := _SCHEDULE.search(line):
+                curves.schedule = dict(kind=m.group(1), max_lr=float(m.group(2)),
+                                       warmup=float(m.group(3)), total_steps=int(m.group(4)))
                 continue
             if m := _STEPS.search(line):
                 curves.steps_per_epoch, curves.total_steps = int(m.group(1)), int(m.group(2))
@@ -90,8 +106,9 @@ def parse_training_log(path: str | os.PathLike) -> TrainingCurves:
                 continue
             if fresh and curves.steps and step <= curves.steps[-1]:
                 # a new run in the same folder: only its own curves count
-                keep = curves.steps_per_epoch, curves.total_steps
-                curves = TrainingCurves(steps_per_epoch=keep[0], total_steps=keep[1])
+                keep = curves.steps_per_epoch, curves.total_steps, curves.schedule
+                curves = TrainingCurves(steps_per_epoch=keep[0], total_steps=keep[1],
+                                        schedule=keep[2])
             fresh = False
             curves.steps.append(step)
             curves.loss.append(loss)
@@ -240,13 +257,15 @@ def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
     rows = 2 if show_predictions else 1
     grid = fig.add_gridspec(rows, 3, height_ratios=[1, 2.2] if show_predictions else [1])
 
+    one = dict(marker="o") if len(curves.steps) == 1 else {}  # one point: no line to draw
     ax = fig.add_subplot(grid[0, 0])
-    ax.plot(curves.steps, curves.loss, color="tab:blue")
+    ax.plot(curves.steps, curves.loss, color="tab:blue", **one)
     ax.set(title="training loss (mean over each logged interval)", xlabel="optimizer step",
            ylabel="contrastive loss")
     ax.grid(alpha=0.3)
     ax = fig.add_subplot(grid[0, 1])
-    ax.plot(curves.steps, curves.lr, color="tab:orange")
+    lr_steps, lr = curves.lr_curve()
+    ax.plot(lr_steps, lr, color="tab:orange", **(dict(marker="o") if len(lr_steps) == 1 else {}))
     ax.set(title="learning rate", xlabel="optimizer step", ylabel="lr")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     ax.grid(alpha=0.3)

@@ -298,3 +298,84 @@ def test_multi_line_messages_keep_their_lines(capsys):
                    "  missing keys (2): a, b", "  unexpected keys (1): c",
                    "make_rec.py: error: no usable samples | file: in.jsonl | record: 7",
                    "  3 x bad image"]
+
+
+# ------------------------------------------------------------------------ smaller items
+def test_safetensors_export_is_readable_by_others(tmp_path):
+    import stat
+
+    import torch
+
+    from rwkv_clip.export import save_state_dict
+    old = os.umask(0o022)
+    try:
+        for name in ("model.safetensors", "model.pt"):
+            save_state_dict({"w": torch.ones(2)}, tmp_path / name)
+            assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
+    finally:
+        os.umask(old)
+
+
+def test_help_texts_say_each_default_once_and_name_parquet():
+    from rwkv_clip.train.args import build_parser
+    text = build_parser().format_help()
+    assert "(default: None)" not in text
+    flat = " ".join(text.split())
+    assert flat.count("(default: the config's, else 10)") == 1
+    assert "(default: the config's, else 10) (default" not in flat
+    train_data = flat.split("--train-data TRAIN_DATA", 2)[2].split("--train-num-samples")[0]
+    assert "parquet" in train_data and "make_rec.py" in train_data
+    res = run(["scripts/make_rec.py", "--help"])
+    flat = " ".join(res.stdout.split())
+    assert "--format {rec,wds} rec: OUTPUT.rec" in flat and "--no-progress no progress bar" in flat
+    res = run(["-m", "rwkv_clip.memory", "--help"])
+    assert "--gradient-acc K micro-batches per optimizer step" in " ".join(res.stdout.split())
+
+
+def test_dali_py_and_gpu_check_have_help():
+    res = run(["dali.py", "--help"])
+    assert res.returncode == 0 and res.stdout.startswith("usage: python dali.py"), res.stderr
+    assert "--train-data" in res.stdout
+    out = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "bash scripts/gpu_check.sh [OUT.json]" in out.stdout
+    assert "no wheels" not in out.stdout + out.stderr
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+def test_resume_log_epochs_loader_zero_shot_note_and_report(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from rwkv_clip.report import parse_training_log
+    from rwkv_clip.train.schedule import lr_at
+    rec = make_tiny_rec(tmp_path)  # 8 pairs: 2 steps of 4 per epoch
+    out = tmp_path / "run"
+    common = ["--loader", "torch", "--workers", "0", "--batch-size", "4", "--log-every", "1"]
+    first = run(tiny_train(rec, out, *common, "--epochs", "1", "--max-steps", "1",
+                           "--final-zero-shot", "True"))  # wanted, but no folder for this data
+    assert first.returncode == 0, first.stderr
+    log = (out / "training.log").read_text()
+    assert "data loader: PyTorch DataLoader, 0 worker(s)" in log
+    assert "zero-shot evaluation: skipped" in log and "--zero-shot-data DIR" in log
+    # report.png of a run with one logged point: the loss point is drawn (tab:blue)
+    curves = parse_training_log(out / "training.log")
+    assert curves.steps == [1]
+    png_pixels = np.asarray(Image.open(out / "report.png").convert("RGB")).astype(int)
+    blue = (np.abs(png_pixels - np.array([31, 119, 180])).sum(-1) < 40).sum()
+    orange = (np.abs(png_pixels - np.array([255, 127, 14])).sum(-1) < 40).sum()
+    assert blue > 0 and orange > 0, (blue, orange)
+    # resume into epoch 2: the log counts epochs from 1 everywhere
+    second = run(tiny_train(rec, out, *common, "--epochs", "2", "--resume", "latest"))
+    assert second.returncode == 0, second.stderr
+    lines = (out / "training.log").read_text().splitlines()
+    resumed = next(ln for ln in lines if "resumed from" in ln)
+    assert "step 1, epoch 1 from its batch 2 (0 epoch(s) done)" in resumed, resumed
+    progress = [ln for ln in lines if " step " in ln and " loss " in ln]
+    assert "epoch 1/2 step 2/4" in progress[-3] and "epoch 2/2 step 4/4" in progress[-1]
+    # the lr curve is the schedule's exact values at every step, not the rounded log
+    curves = parse_training_log(out / "training.log")
+    steps, lr = curves.lr_curve()
+    assert steps == [1, 2, 3, 4]
+    assert lr == [lr_at(min(s, 3), kind="cosine", max_lr=2e-3, total_steps=4, warmup=0.1)[0]
+                  for s in steps]

@@ -55,6 +55,17 @@ def _bool_flag(group, name: str, default, help: str) -> None:
                        metavar="BOOL", help=help)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in its help, once: not where the text already states it, and
+    not for None (a default the text explains or that means "not given")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(
         prog="train.py",
@@ -62,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "dataset on the available device, then zero-shot accuracy on its "
                     "held-out split. Launch multi-process with torchrun "
                     "(NCCL on GPU, gloo on CPU).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
 
     g = p.add_argument_group("optimisation (original flags)")
     g.add_argument("--batch-size", type=int, default=32,
@@ -99,8 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data and output (original flags)")
     g.add_argument("--train-data", default=None,
-                   help="rec: prefix of X.rec/X.idx; wds: shard pattern/list. "
-                        "Not needed for --data-format builtin")
+                   help="rec: prefix of X.rec/X.idx (scripts/make_rec.py's output); wds: "
+                        ".tar shard pattern/list; parquet: .parquet file, glob, brace list "
+                        "or folder (img2dataset, the Hub's YFCC15M). A JSONL/CSV of pairs "
+                        "is converted first with scripts/make_rec.py. Not needed for "
+                        "--data-format builtin")
     g.add_argument("--train-num-samples", type=int, default=None,
                    help="samples per epoch; only used when the loader cannot tell its "
                         "length (the epoch length comes from the data)")

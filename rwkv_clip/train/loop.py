@@ -236,7 +236,8 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
                 if any_rank_true(not micro.finite, info):
                     optimizer.zero_grad(set_to_none=True)
                     raise TrainingError(
-                        f"stopping at step {state.step + 1} (epoch {state.epoch}): loss is not "
+                        f"stopping at step {state.step + 1} (epoch {state.epoch + 1}): loss is "
+                        "not "
                         f"finite ({micro.value}) on "
                         f"{'this rank' if not micro.finite else 'another rank'}. Parameters "
                         f"were not updated; last good checkpoint: "
@@ -262,7 +263,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
             if state.batch_in_epoch < epoch_batches:
                 if state.step >= data.total_steps:
                     break  # --max-steps reached inside an epoch
-                raise TrainingError(f"the loader ended epoch {state.epoch} after "
+                raise TrainingError(f"the loader ended epoch {state.epoch + 1} after "
                                     f"{state.batch_in_epoch} batches, fewer than its length "
                                     f"{data.micro_per_epoch}")
             for _ in batches:  # drain the leftover batches, then the next epoch's draws
@@ -358,7 +359,26 @@ def prepare_data(args, info: DistInfo, log) -> TrainData:
              f"{total_steps} steps in all; global batch {global_batch} "
              f"({args.batch_size} x {k} accumulation [{args.accum_mode}] x {info.world_size} "
              f"rank(s))")
+    log.info(f"data loader: {loader_name(loader)}, {args.workers} worker(s) "
+             f"(--loader {args.loader}; choices auto, dali, torch)")
+    # exact values, so that report.png draws the schedule itself, not the rounded log lines
+    log.info(f"learning rate: {args.lr_scheduler} schedule, peak {args.lr!r}, warmup "
+             f"{args.warmup!r}, {total_steps} steps")
+    if zero_shot_dir is None and (args.zero_shot_every or args.final_zero_shot):
+        log.info("zero-shot evaluation: skipped, no image folder for this data; pass "
+                 "--zero-shot-data DIR (one sub-folder of images per class) to evaluate after "
+                 "every --zero-shot-every epoch(s) and at the end")
     return TrainData(loader, zero_shot_dir, micro_per_epoch, steps_per_epoch, total_steps)
+
+
+def loader_name(loader) -> str:
+    """Which pipeline reads the data, as the log names it."""
+    kind = type(loader).__name__
+    if kind == "DALIWrapper":
+        return "DALI"
+    if kind == "ParquetLoader":
+        return "PyTorch DataLoader over parquet (pyarrow)"
+    return "PyTorch DataLoader"
 
 
 def locate_train_data(args, info: DistInfo, log) -> tuple[str, str, str | None]:
@@ -460,8 +480,11 @@ def resume(ckpt: dict, path, info: DistInfo, log, model: torch.nn.Module,
     if ckpt.get("total_steps", total_steps) != total_steps:  # --epochs / --max-steps changed
         log.info(f"schedule length changed ({ckpt['total_steps']} -> {total_steps} steps): "
                  f"continuing the new schedule at step {state.step}")
-    log.info(f"resumed from {path}: step {state.step}, epoch {state.epoch}, "
-             f"batch {state.batch_in_epoch} of that epoch")
+    # epochs are counted from 1 as in the progress lines: state.epoch epochs are done
+    log.info(f"resumed from {path}: step {state.step}, "
+             + (f"epoch {state.epoch + 1} from its batch {state.batch_in_epoch + 1}"
+                if state.batch_in_epoch else f"epoch {state.epoch + 1} from its start")
+             + f" ({state.epoch} epoch(s) done)")
     rngs = ckpt["rng"]
     if isinstance(rngs, list) and len(rngs) == info.world_size:
         return rngs[info.rank]
