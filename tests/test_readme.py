@@ -68,6 +68,13 @@ def test_python_example_runs(block, published, tmp_path, reference_dir):
         assert "tensor([[" in result.stdout  # the printed probabilities
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_json_blocks_parse(page):
+    """What a page shows as printed JSON is JSON (json.loads, not a sketch of it)."""
+    for block in _blocks(page.read_text(), "json"):
+        json.loads(block)
+
+
 def test_the_notebook_example_is_in_the_readme():
     blocks = _blocks((REPO / "README.md").read_text(), "python")
     assert any("create_RWKV_Model" in b and "print(probs)" in b for b in blocks)
