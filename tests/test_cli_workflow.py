@@ -352,7 +352,7 @@ def test_resume_log_epochs_loader_zero_shot_note_and_report(tmp_path):
     rec = make_tiny_rec(tmp_path)  # 8 pairs: 2 steps of 4 per epoch
     out = tmp_path / "run"
     common = ["--loader", "torch", "--workers", "0", "--batch-size", "4", "--log-every", "1"]
-    first = run(tiny_train(rec, out, *common, "--epochs", "1", "--max-steps", "1",
+    first = run(tiny_train(rec, out, *common, "--epochs", "2", "--max-steps", "1",
                            "--final-zero-shot", "True"))  # wanted, but no folder for this data
     assert first.returncode == 0, first.stderr
     log = (out / "training.log").read_text()
@@ -366,7 +366,8 @@ def test_resume_log_epochs_loader_zero_shot_note_and_report(tmp_path):
     orange = (np.abs(png_pixels - np.array([255, 127, 14])).sum(-1) < 40).sum()
     assert blue > 0 and orange > 0, (blue, orange)
     # resume into epoch 2: the log counts epochs from 1 everywhere
-    second = run(tiny_train(rec, out, *common, "--epochs", "2", "--resume", "latest"))
+    second = run(tiny_train(rec, out, *common, "--epochs", "2", "--resume", "latest",
+                            "--max-steps", "4", "--resume-allow-changes"))
     assert second.returncode == 0, second.stderr
     lines = (out / "training.log").read_text().splitlines()
     resumed = next(ln for ln in lines if "resumed from" in ln)

@@ -249,7 +249,8 @@ def test_help(argv):
                          capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
-    assert "Traceback" not in out and ("usage" in out.lower() or len(out.splitlines()) > 3), out
+    assert "Traceback (most recent call last)" not in out, out
+    assert "usage" in out.lower() or len(out.splitlines()) > 3, out
 
 
 def _literal_runs() -> list[str]:
