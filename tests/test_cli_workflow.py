@@ -380,3 +380,14 @@ def test_resume_log_epochs_loader_zero_shot_note_and_report(tmp_path):
     assert steps == [1, 2, 3, 4]
     assert lr == [lr_at(min(s, 3), kind="cosine", max_lr=2e-3, total_steps=4, warmup=0.1)[0]
                   for s in steps]
+
+
+def test_resume_keeps_the_zero_shot_folder():
+
+    from rwkv_clip.train.args import parse_args
+    from rwkv_clip.train.checkpoint import take_run_settings
+    first = parse_args(["--zero-shot-data", "my_images", "--zero-shot-every", "2"])
+    ckpt = {"args": vars(first), "model_config": first.model_config}
+    resumed = parse_args(["--resume", "latest"])
+    take_run_settings(ckpt, resumed, "epoch_latest.pt")
+    assert (resumed.zero_shot_data, resumed.zero_shot_every) == ("my_images", 2)
