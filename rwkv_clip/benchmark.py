@@ -332,7 +332,7 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
     from pathlib import Path
 
     from .host_memory import configure_host_malloc
-    from .memory.measure import build_model
+    from .memory.measure import build_measured_model
     batches = parse_list(ns.batch_sizes, int, None, "--batch-sizes")
     if any(b < 1 for b in batches):
         raise ConfigError(f"--batch-sizes {ns.batch_sizes!r}: batch sizes must be >= 1")
@@ -347,7 +347,7 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    args, ours = build_model(ns.versus_config, "cpu", False, None)
+    args, ours = build_measured_model(ns.versus_config, "cpu", False, None)
     theirs = None if ns.versus == "none" else build_open_clip(ns.versus)
     size, ctx_len, vocab = args.input_size, args.ctx_len, args.vocab_size
     if theirs is not None:

@@ -29,12 +29,14 @@ def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None
     """``(state dict in the model's key order and dtypes, config name or path)`` of
     ``checkpoint`` (a file or a pretrained name); the config is inferred from the
     parameter shapes unless given."""
+    from .checkpoint_files import check_state_dict
     from .config import load_model_configs
-    from .model import check_state_dict, create_RWKV_Model, read_state_dict
-    from .pretrained import infer_config, model_config, resolve_pretrained
+    from .factory import infer_config
+    from .model import create_RWKV_Model
+    from .pretrained import load_weights, model_config
 
-    weights = resolve_pretrained(checkpoint)
-    state = read_state_dict(weights.path)
+    weights = load_weights(checkpoint)
+    state = weights.tensors
     if config is not None:
         config = model_config(config)
     else:

@@ -126,13 +126,13 @@ def compute_predictions(model, folder: str | os.PathLike, device: torch.device |
                         batch_size: int = 128, precision: str = "fp32") -> dict[str, Any]:
     """Top-3 zero-shot predictions of ``model`` for every image of an image folder (with
     the folder's class names and templates), evaluated in this process alone."""
+    from .checkpoint_files import unwrap_model
     from .distributed import DistInfo
     from .eval.datasets import image_folder_set
     from .eval.zeroshot import (
         build_classifier,
         classification_logits,
         model_input_size,
-        unwrap_model,
     )
     from .transform import image_transform
 
@@ -173,9 +173,9 @@ def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 def predictions_from_checkpoint(run_dir: str | os.PathLike, folder: str) -> dict[str, Any]:
     """Evaluate the run's newest checkpoint on ``folder`` (its config inferred from the
     parameter shapes, as ``zero_shot.py`` does)."""
+    from .checkpoint_files import StateDict, read_state_dict
     from .config import load_model_configs
-    from .model import check_state_dict, create_RWKV_Model, read_state_dict
-    from .pretrained import infer_config
+    from .factory import build_model, infer_config
 
     ckpt = newest_checkpoint(run_dir)
     if ckpt is None:
@@ -186,9 +186,7 @@ def predictions_from_checkpoint(run_dir: str | os.PathLike, folder: str) -> dict
     if name is None:
         raise EvalError(f"checkpoint {ckpt} matches none of the shipped model configs; the "
                         "picture needs its predictions: evaluate it with the training config")
-    model = create_RWKV_Model(load_model_configs(name))
-    check_state_dict(model, state_dict, str(ckpt))
-    model.load_state_dict(state_dict, strict=True)
+    model = build_model(load_model_configs(name), StateDict(state_dict, str(ckpt)))
     result = compute_predictions(model, folder)
     result["checkpoint"] = str(ckpt)
     return result

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
+from rwkv_clip.errors import MeasurementError
 from rwkv_clip.memory import (
     activation_segments,
     estimate,
@@ -21,7 +22,7 @@ from rwkv_clip.memory import (
     training_peak,
 )
 from rwkv_clip.memory.cli import run as run_planner
-from rwkv_clip.memory.measure import MeasurementError, MeasureSpec
+from rwkv_clip.memory.measure import MeasureSpec
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import torch
 from train_util import tiny_model
 
 from rwkv_clip import ClipLoss
+from rwkv_clip.errors import NonFiniteLossError
 from rwkv_clip.train.accumulation import (
     MicroBatch,
-    NonFiniteLossError,
     caption_generator,
     choose_captions,
     make_micro_batches,
@@ -25,16 +25,28 @@ def _batch(n=8, size=16, seed=1):
     return images, tokens
 
 
+def _record_step_grads(model, opt) -> dict:
+    """The gradients the optimizer steps with (train_step clears them afterwards)."""
+    grads: dict = {}
+
+    def hook(optimizer, args, kwargs):
+        grads.update({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    opt.register_step_pre_hook(hook)
+    return grads
+
+
 def _one_step(base, images, tokens, k, mode="exact"):
     """One AdamW step over the 8 samples split into k micro-batches; captions are chosen
     once for the step (as the loop does), so every split sees the same texts."""
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.98), weight_decay=0.2)
+    grads = _record_step_grads(model, opt)
     m = images.shape[0] // k
     mbs = make_micro_batches(list(images.split(m)), list(tokens.split(m)),
                              caption_generator(0, 0, 0, 0), torch.device("cpu"))
     result = train_step(model, mbs, ClipLoss(), opt, mode=mode, clip_grad_norm=None)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert all(p.grad is None for p in model.parameters())  # cleared after the step
     return model, grads, result
 
 
@@ -77,10 +89,10 @@ def test_mean_mode_differs_and_averages_micro_losses():
     for sl in (slice(0, 4), slice(4, 8)):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        half_grads.append(_record_step_grads(model, opt))
         r = train_step(model, [MicroBatch(images[sl], texts[sl])], ClipLoss(), opt,
                        clip_grad_norm=None)
         half_losses.append(r.loss)
-        half_grads.append({n: p.grad for n, p in model.named_parameters()})
     assert result.loss == pytest.approx(sum(half_losses) / 2, abs=1e-6)
     for name, g in grads.items():
         mean = (half_grads[0][name] + half_grads[1][name]) / 2

@@ -18,10 +18,11 @@ Importing this package has no side effects (DALI, open_clip and torch data worke
 are imported or started only when used).
 """
 
+from ..errors import DataError
 from .builtin import BuiltinDataset, ensure_builtin_dataset
 from .dali_pipeline import dali_available, dali_dataloader
 from .loader import build_eval_loader, build_train_loader
-from .recordio import DataError, IRHeader, RecordIOReader, RecordIOWriter, check_rec, pack, unpack
+from .recordio import IRHeader, RecordIOReader, RecordIOWriter, check_rec, pack, unpack
 from .tokens import (
                        CONTEXT_LENGTH,
                        NUM_LABELS,

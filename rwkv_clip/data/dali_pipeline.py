@@ -69,8 +69,8 @@ import tempfile
 import torch
 
 from ..distributed import DistInfo, launch_environment
-from ..errors import DistributedError
-from .recordio import DataError, check_rec, rec_paths, write_index
+from ..errors import DataError, DistributedError
+from .recordio import check_rec, rec_paths, write_index
 from .tokens import CONTEXT_LENGTH, NUM_LABELS, VOCAB_SIZE
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]

@@ -43,9 +43,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ..errors import TrainArgsError
+from ..errors import DataError, TrainArgsError
 from .dali_pipeline import build_dali_loader, dali_available, dist_info
-from .recordio import DataError, check_rec
+from .recordio import check_rec
 from .tokens import CaptionTokens
 from .torch_loader import RecSource, TokenArraySource, TorchLoader, WdsSource
 

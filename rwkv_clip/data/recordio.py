@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DataError
+from .tokens import label_problem
 
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
@@ -370,7 +371,6 @@ def _check_one(f, rec_size: int, key, off: int, check_image: bool) -> tuple[str 
     img_off = IR_SIZE + 4 * flag
     if cflag == 0 and length < img_off + 4:
         return "record holds no image bytes", flag
-    from .tokens import label_problem  # (tokens imports this module)
     problem = label_problem(np.frombuffer(payload, dtype="<f4", count=flag, offset=IR_SIZE))
     if problem:
         return problem, flag

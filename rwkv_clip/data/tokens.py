@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import DataError
 from ..tokenizer import EOT_TOKEN, SOT_TOKEN
-from .recordio import DataError
 
 CONTEXT_LENGTH = 77
 NUM_CAPTIONS = 3

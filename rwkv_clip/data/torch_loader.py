@@ -39,8 +39,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import DataError
 from .decoding import decode_image, undecodable
-from .recordio import DataError, RecordIOReader, unpack
+from .recordio import RecordIOReader, unpack
 from .tokens import normalize_labels
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -43,7 +43,8 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 from PIL import Image
 
-from .recordio import DataError, RecordIOWriter
+from ..errors import DataError
+from .recordio import RecordIOWriter
 from .tokens import NUM_LABELS, encode_captions_batch, labels_for_rec
 from .wds import sample_key
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from ..errors import ImageReadError
 from ..precision import get_precision
-from .datasets import ImageReadError
 from .distributed import DistInfo, current, fail_together, gather_rows, shard_range
 
 
@@ -20,7 +20,7 @@ def progress(iterable, desc: str, total: int | None = None, info: DistInfo | Non
     (as the training bar), so redirected logs stay clean."""
     from tqdm import tqdm
 
-    show = (info or current()).is_main
+    show = (info or current()).is_master
     return tqdm(iterable, desc=desc, total=total, unit="batch", leave=False, file=sys.stderr,
                 dynamic_ncols=True, disable=None if show else True)
 

@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from ..errors import DataError, EvalError
+from ..errors import DataError, DatasetNotFoundError, EvalError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 ORIGINAL_SEED = 3072  # the original zero_shot.py passes seed=3072 to every loader
@@ -46,14 +46,6 @@ ALIASES = {
     "stanford_cars": "stanford_car", "cars": "stanford_car", "imagenet1k": "imagenet",
     "sun": "sun397", "caltech": "caltech101",
 }
-
-
-class DatasetNotFoundError(EvalError):
-    pass
-
-
-class ImageReadError(EvalError):
-    pass
 
 
 # ------------------------------------------------------------------ shipped data

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import DatasetNotFoundError, EvalError
 from .common import encode_images_gathered, encode_texts
-from .datasets import DatasetNotFoundError, EvalError, ImageListDataset
+from .datasets import ImageListDataset
 from .distributed import DistInfo, current, fail_together, gather_rows, shard_range
 from .metrics import retrieval_metrics
 
@@ -219,7 +220,7 @@ def evaluate_retrieval(model, rset: RetrievalSet, transform, device: torch.devic
                        info: DistInfo | None = None) -> dict:
     """Recall@k both ways plus ``num_images``/``num_texts``; same on every rank."""
     device = torch.device(device)
-    from .zeroshot import unwrap_model
+    from ..checkpoint_files import unwrap_model
     info = info or current()
     model = unwrap_model(model)
     was_training = model.training

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint_files import unwrap_model
 from .common import encode_images_gathered, encode_texts
 from .datasets import ClassificationSet, fill_template, image_folder_set
 from .distributed import DistInfo, current
@@ -76,15 +77,6 @@ def evaluate_classification(model, eval_set: ClassificationSet, device: torch.de
     name = headline_metric_name(eval_set.name)
     metrics.update(headline_metric=name, headline=metrics[name], num_samples=int(targets.numel()))
     return metrics
-
-
-def unwrap_model(model):
-    """The CLIP module inside DDP (``.module``) and torch.compile (``._orig_mod``) wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None or inner is model:
-            return model
-        model = inner
 
 
 def model_input_size(model) -> int:

@@ -33,18 +33,13 @@ from typing import Any
 
 import torch
 
-from ..errors import RWKVCLIPError
+from ..errors import MeasurementError
 from ..precision import get_precision
 from .walk import _cfg
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding rwkv_clip/
 WORKER_CODE = ("import sys; from rwkv_clip.memory.measure import worker_main; "
                "sys.exit(worker_main(sys.argv[1:]))")
-
-
-class MeasurementError(RWKVCLIPError, RuntimeError):
-    """A measuring run failed (out of memory, bad backend, ...); the message ends with the
-    worker's last lines of stderr."""
 
 
 # ----------------------------------------------------------------------------- the step
@@ -96,17 +91,15 @@ def synthetic_batch(args: Any, batch: int, device: torch.device | str,
     return images, tokens
 
 
-def build_model(config: str | Any, device: torch.device | str, checkpointing: bool,
-                wkv_backend: str | None) -> tuple[Any, torch.nn.Module]:
+def build_measured_model(config: str | Any, device: torch.device | str, checkpointing: bool,
+                         wkv_backend: str | None) -> tuple[Any, torch.nn.Module]:
     """(args, model) for a config (path, shipped name or loaded args), seeded, on
     ``device``."""
     from ..config import load_model_configs
-    from ..model import create_RWKV_Model
+    from ..factory import build_model
     args = load_model_configs(config) if isinstance(config, str | Path) else config
-    torch.manual_seed(0)
-    model = create_RWKV_Model(args).to(device)
+    model = build_model(args, seed=0, wkv_backend=wkv_backend, device=device)
     model.set_grad_checkpointing(checkpointing)
-    model.set_wkv_backend(wkv_backend)
     return args, model
 
 
@@ -160,7 +153,7 @@ def _warm_up_cpu(wkv_backend: str | None) -> None:
     tiny = config_dir() / "RWKV_CLIP_tiny.json"
     if not tiny.is_file():
         return
-    args, model = build_model(str(tiny), "cpu", False, wkv_backend)
+    args, model = build_measured_model(str(tiny), "cpu", False, wkv_backend)
     step = make_step(model, "fp32", "cpu")
     images, tokens = synthetic_batch(args, 2, "cpu")
     for _ in range(2):
@@ -206,7 +199,7 @@ def run_measurement(spec: MeasureSpec) -> dict:
     else:
         torch.cuda.init()
         base = torch.cuda.memory_allocated(dev)
-    args, model = build_model(args, dev, spec.checkpointing, spec.wkv_backend)
+    args, model = build_measured_model(args, dev, spec.checkpointing, spec.wkv_backend)
     images, tokens = synthetic_batch(args, spec.batch, dev)
     t0 = time.perf_counter()
     if spec.mode == "train":

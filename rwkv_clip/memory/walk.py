@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..config import model_args_from_dict
+from ..config import ModelArgs
 from ..errors import ConfigError
 from ..layers.time_mix import TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM
 
@@ -76,11 +76,11 @@ class ParamTable:
 def parameter_table(args: Any) -> ParamTable:
     """The parameters of ``create_RWKV_Model(args)``, read from the model built on the meta
     device (shapes and dtypes only: nothing is allocated, the WKV op is not called)."""
-    from ..model import create_RWKV_Model
+    from ..factory import build_model
     if isinstance(args, dict):
-        args = model_args_from_dict(args, source="memory planner config")
+        args = ModelArgs.from_dict(args, source="memory planner config")
     with torch.device("meta"):
-        model = create_RWKV_Model(args)
+        model = build_model(args)
     return ParamTable.from_model(model)
 
 

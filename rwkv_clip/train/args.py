@@ -16,22 +16,18 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
 
-from ..config import ConfigError, ModelArgs, parse_bool, read_config_json
-from ..errors import EXIT_USER_ERROR, TrainArgsError, report
+from ..config import (
+    DEFAULT_CONFIG,
+    TOWER_KEYS,
+    ModelArgs,
+    apply_overrides,
+    read_config_json,
+    str2bool,
+)
+from ..errors import EXIT_USER_ERROR, ConfigError, TrainArgsError, report
 from ..precision import PRECISIONS
 
-DEFAULT_CONFIG = "RWKV_CLIP_small"
-
-# Model keys that have a tower flag of the same name (--input-size -> input_size ...).
-TOWER_KEYS = (
-    "input_size", "image_depth", "image_embed_dims", "image_patch_size", "image_hidden_rate",
-    "image_num_heads", "image_output_cls_token", "image_with_cls_token", "drop_path_rate",
-    "ctx_len", "vocab_size", "text_initialization", "head_size", "text_num_head", "pos_emb",
-    "head_size_divisor", "n_layer", "n_embd", "dim_att", "dim_ffn", "head_qk", "tiny_att_dim",
-    "tiny_att_layer",
-)
 # Config keys that are training options with their own flag (flag name -> config key).
 SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "workers",
                 "open_checkpoint": "with_cp"}
@@ -39,14 +35,6 @@ SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "work
 NOT_MODEL_KEYS = ("workers", "data_type")
 
 DATA_FORMATS = ("rec", "wds", "parquet", "builtin")
-
-
-def str2bool(value: Any) -> bool:
-    """argparse type for booleans: True/False, 1/0 (also yes/no), as the original's scripts."""
-    parsed = parse_bool(value)
-    if parsed is None:
-        raise argparse.ArgumentTypeError(f"expected a boolean (True/False/1/0), got {value!r}")
-    return parsed
 
 
 def _bool_flag(group, name: str, default, help: str) -> None:
@@ -230,13 +218,10 @@ def resolve_model_config(args: argparse.Namespace) -> tuple[ModelArgs, str]:
     params, path = read_config_json(args.config if args.config is not None else DEFAULT_CONFIG)
     flags = [f for f in (*TOWER_KEYS, *SHARED_FLAGS) if getattr(args, f) is not None]
     given = {SHARED_FLAGS.get(f, f): getattr(args, f) for f in flags}
-    if "n_embd" in given:  # derived widths follow a new n_embd unless given too
-        for k in ("dim_att", "dim_ffn"):
-            given.setdefault(k, 0)
     source = str(path)
     if flags:
         source += " overridden by " + ", ".join("--" + f.replace("_", "-") for f in flags)
-    model = ModelArgs.from_dict({**params, **given}, source=f"model config {source}")
+    model = ModelArgs.from_dict(apply_overrides(params, given), source=f"model config {source}")
     return model, source
 
 

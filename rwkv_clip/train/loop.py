@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import create_RWKV_Model, host_memory
+from .. import host_memory
 from ..distributed import (
     DistInfo,
     any_rank_true,
@@ -40,28 +40,30 @@ from ..distributed import (
     launch_environment,
     pick_device,
 )
-from ..errors import ResumeError, RWKVCLIPError, TrainArgsError, TrainingError, run_cli
-from ..loss import ClipLoss
-from ..model import load_model_weight
-from ..precision import get_precision
-from . import checkpoint as ckpt_io
-from .accumulation import (
-    MicroBatchLosses,
-    caption_generator,
-    clamp_logit_scale,
-    make_micro_batches,
-    optimizer_step,
-    unscale_and_clip,
+from ..errors import (
+    NonFiniteLossError,
+    ResumeError,
+    RWKVCLIPError,
+    TrainArgsError,
+    TrainingError,
+    run_cli,
 )
+from ..factory import build_model
+from ..loss import ClipLoss
+from ..ops import prepare_wkv_kernel
+from ..precision import get_precision
+from ..pretrained import load_weights
+from . import checkpoint as ckpt_io
+from .accumulation import StepResult, caption_generator, make_micro_batches, train_step
 from .args import warn_ignored
 from .logger import (
     Board,
     SpeedLogger,
     close_logging,
-    prepare_wkv_kernel,
     progress_bar,
     setup_logging,
 )
+from .rng import capture_rng, restore_rng
 from .schedule import lr_at, set_lr
 
 
@@ -169,9 +171,9 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
     if host_memory.applied() is not None:
         log.info(host_memory.describe(host_memory.applied()))
     # says so before a first-use compile, which then overlaps the model and data set-up
-    kernel_ready = prepare_wkv_kernel(info.device, log, background=True)
+    kernel_ready = prepare_wkv_kernel(info.device, log.info, background=True)
     try:
-        model = build_model(args, info, log)
+        model = build_train_model(args, info, log)
         data = prepare_data(args, info, log)
     except BaseException:
         kernel_ready(raise_error=False)
@@ -210,7 +212,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
             for _ in range(state.batch_in_epoch):  # resumed mid-epoch: the data position
                 next(batches)
             if rng is not None:  # after the iterator exists (it may draw seeds)
-                ckpt_io.restore_rng_states(rng, info.device)
+                restore_rng(rng, info.device)
                 rng = None
             pending: list[tuple[torch.Tensor, torch.Tensor]] = []
             for images, tokens in batches:
@@ -221,38 +223,29 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
                 # samples at once from the step's own stream (independent of the split)
                 captions = caption_generator(args.seed, info.rank, state.epoch,
                                              state.batch_in_epoch // k)
-                micro = MicroBatchLosses(  # exact mode: the K no-grad forwards happen here
-                    model, make_micro_batches([p[0] for p in pending], [p[1] for p in pending],
-                                              captions, info.device,
-                                              model.text_model.args.ctx_len),
-                    loss_fn, autocast, args.accum_mode)
+                micro_batches = make_micro_batches(
+                    [p[0] for p in pending], [p[1] for p in pending], captions, info.device,
+                    model.text_model.args.ctx_len)
                 pending = []
                 set_lr(optimizer, *lr_at(state.step, **schedule))
-                for j in range(k):
-                    if info.distributed:  # DDP all-reduces the gradients on the last only
-                        ddp_model.require_backward_grad_sync = j == k - 1
-                    loss = micro.loss(ddp_model, j)
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                if any_rank_true(not micro.finite, info):
-                    optimizer.zero_grad(set_to_none=True)
-                    raise TrainingError(
-                        f"stopping at step {state.step + 1} (epoch {state.epoch}): loss is not "
-                        f"finite ({micro.value}) on "
-                        f"{'this rank' if not micro.finite else 'another rank'}. Parameters "
-                        f"were not updated; last good checkpoint: "
-                        f"{state.last_saved or 'none saved yet'}. Try a lower --lr, "
-                        "--precision bf16 or fp32, or --resume from the checkpoint.")
-                unscale_and_clip(model, optimizer, scaler, args.grad_clip_norm)
-                optimizer_step(optimizer, scaler)
-                optimizer.zero_grad(set_to_none=True)
-                clamp_logit_scale(model)
+                try:
+                    result = train_step(model, micro_batches, loss_fn, optimizer,
+                                        scaler=scaler, autocast=autocast, mode=args.accum_mode,
+                                        clip_grad_norm=args.grad_clip_norm, wrapped=ddp_model,
+                                        info=info)
+                except NonFiniteLossError as exc:
+                    raise NonFiniteLossError(
+                        f"stopping at step {state.step + 1} (epoch {state.epoch}): {exc}; last "
+                        f"good checkpoint: {state.last_saved or 'none saved yet'}. Try a lower "
+                        "--lr, --precision bf16 or fp32, or --resume from the checkpoint."
+                    ) from None
+                del micro_batches  # the step's batches are freed before saving
                 state.step += 1
                 state.batch_in_epoch += k  # the state is always at a step boundary
-                state.last_loss = micro.value
+                state.last_loss = result.loss
                 # the speed line shows the next step's lr, as the original's did
                 next_lr = lr_at(min(state.step, data.total_steps - 1), **schedule)[0]
-                logs.step(state.step, micro, next_lr, scaler)
-                del micro  # the step's batches and features are freed before saving
+                logs.step(state.step, result, next_lr, scaler)
                 if args.save_every_steps and state.step % args.save_every_steps == 0:
                     save(f"step_{state.step}.pt", state)
                 if stop.requested(info):  # SIGINT / SIGTERM: a checkpoint, then exit
@@ -312,12 +305,12 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
 
 # ----------------------------------------------------------------------------- setup
 
-def build_model(args, info: DistInfo, log) -> torch.nn.Module:
+def build_train_model(args, info: DistInfo, log) -> torch.nn.Module:
     """The model on its device, in train mode; identical initialisation on every rank."""
     seed_everything(args.seed)
-    model = create_RWKV_Model(SimpleNamespace(**args.model_config))
-    if args.pretrained:
-        load_model_weight(model, args.pretrained)
+    weights = load_weights(args.pretrained) if args.pretrained else None
+    model = build_model(args.model_config, weights)
+    if weights is not None:
         log.info(f"initial weights from {args.pretrained}")
     lock_towers(model, args, log)
     model.set_grad_checkpointing(bool(args.open_checkpoint))
@@ -488,7 +481,7 @@ def save_checkpoint(name: str, state: RunState, *, model, optimizer, scaler, arg
 
 def _gather_rng(info: DistInfo) -> list:
     """Every rank's RNG states (for an exact resume), collected on all ranks."""
-    mine = ckpt_io.rng_states(info.device)
+    mine = capture_rng(info.device)
     if not info.distributed:
         return [mine]
     import torch.distributed as dist
@@ -511,14 +504,14 @@ class Logs:
         self.bar = progress_bar(total_steps, step, args.progress and info.is_master)
         self.t_start = time.time()
 
-    def step(self, step: int, micro: MicroBatchLosses, lr: float, scaler) -> None:
-        loss = micro.value
+    def step(self, step: int, result: StepResult, lr: float, scaler) -> None:
+        loss = result.loss
         amp_scale = scaler.get_scale() if scaler is not None else 1.0
-        line = self.speed.update(step=step, loss=loss, samples=micro.samples, lr=lr,
+        line = self.speed.update(step=step, loss=loss, samples=result.samples, lr=lr,
                                  amp_scale=amp_scale)
         if not self.info.is_master:
             return
-        self.board.scalars(step, loss=loss, lr=lr, logit_scale=micro.logit_scale,
+        self.board.scalars(step, loss=loss, lr=lr, logit_scale=result.logit_scale,
                            samples_per_second=(self.speed.last_speed * self.info.world_size
                                                if line else None))
         if self.bar is not None:
