@@ -82,7 +82,7 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_export_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rwkv_clip.export",
         description="Write the model's plain state dict (the original's key names and "
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    opts = build_parser().parse_args(argv)
+    opts = build_export_parser().parse_args(argv)
     out = Path(opts.out)
     if out.suffix.lower() not in (".pt", ".pth", ".safetensors"):
         raise CheckpointError(f"output {out}: expected a .pt or .safetensors file name")

@@ -72,7 +72,7 @@ def choose_model_args(config: str | os.PathLike | None, weights: StateDict | Non
     parameter shapes, else the default; ``overrides`` (config keys) apply on top."""
     overrides = dict(overrides or {})
     if config:
-        params, path = read_config_json(config)
+        params, path = read_config_json(str(config))
         name = Path(path).stem
     elif weights is not None and weights.config is not None:
         name = weights.config

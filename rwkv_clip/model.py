@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint_files import load_checked
-from .config import ModelArgs, complete_args
+from .config import complete_args
 from .image_rwkv import Image_RWKV
 from .layers.time_mix import TimeMixBase
 from .pretrained import load_weights
@@ -65,19 +65,6 @@ class get_model(nn.Module):
                 module.wkv_backend = backend
 
 
-def build_image_tower(args: ModelArgs) -> Image_RWKV:
-    # complete_args(with_image=True) has checked that every image field is set
-    size, patch, dims = args.input_size, args.image_patch_size, args.image_embed_dims
-    depth, heads = args.image_depth, args.image_num_heads
-    assert size is not None and patch is not None and dims is not None
-    assert depth is not None and heads is not None
-    return Image_RWKV(img_size=size, patch_size=patch, embed_dims=dims,
-                      hidden_rate=args.image_hidden_rate, depth=depth, num_heads=heads,
-                      output_cls_token=args.image_output_cls_token,
-                      with_cls_token=args.image_with_cls_token,
-                      drop_path_rate=args.drop_path_rate, with_cp=args.with_cp)
-
-
 def create_RWKV_Model(args: Any, model_weight_path: str | os.PathLike | None = None,
                       map_location: str | torch.device | None = None) -> get_model:
     """Build RWKV-CLIP from a config namespace (``load_model_configs``) and optionally load
@@ -86,7 +73,7 @@ def create_RWKV_Model(args: Any, model_weight_path: str | os.PathLike | None = N
     ``args`` is validated once here into a new ``ModelArgs`` (the towers share it, and
     ``set_grad_checkpointing`` changes only that copy, never the caller's object)."""
     args = complete_args(args, source="model args")
-    image_tower = build_image_tower(args)  # image first: the original's random-draw order
+    image_tower = Image_RWKV.from_args(args)  # image first: the original's random-draw order
     text_tower = Text_RWKV(args)
     model = get_model(image_tower, text_tower, image_cls_token=args.image_output_cls_token)
     if model_weight_path is not None:

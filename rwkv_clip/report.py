@@ -152,7 +152,7 @@ def compute_predictions(model, folder: str | os.PathLike, device: torch.device |
         model.train(was_training)
     probs = logits.float().softmax(dim=-1)
     top_p, top_i = probs.topk(min(3, probs.shape[1]), dim=-1)
-    samples = [{"path": str(eval_set.describe(i)), "target": int(targets[i]),
+    samples: list[dict[str, Any]] = [{"path": str(eval_set.describe(i)), "target": int(targets[i]),
                 "top3": [int(c) for c in top_i[i]],
                 "top3_prob": [round(float(p), 4) for p in top_p[i]]}
                for i in range(len(targets))]
@@ -252,6 +252,7 @@ def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
     _accuracy_panel(ax, curves)
 
     if show_predictions:
+        assert predictions is not None
         _confusion_panel(fig.add_subplot(grid[1, :2]), predictions)
         sub = grid[1, 2].subgridspec(4, 4, hspace=0.55, wspace=0.1)
         names = predictions["classnames"]

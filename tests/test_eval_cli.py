@@ -121,8 +121,8 @@ def test_cli_errors_are_one_line(data, tmp_path):
 
 
 def test_help_explains_every_flag():
-    from zero_shot import build_parser
-    parser = build_parser()
+    from rwkv_clip.eval.cli import build_eval_parser
+    parser = build_eval_parser()
     text = parser.format_help()
     for action in parser._actions:
         for flag in action.option_strings:

@@ -110,7 +110,7 @@ def test_out_of_memory_message_suggests_the_remedies(tmp_path):
 
 
 def test_constant_mark_is_torchs_and_importing_does_not_load_dynamo():
-    """precision.assume_constant_result sets the mark torch's own decorator sets, and
+    """cpu_gemm.assume_constant_result sets the mark torch's own decorator sets, and
     importing the package, the trainer and the evaluator leaves torch._dynamo unloaded
     (it cost 2.4 s of every process's start-up)."""
     import subprocess
@@ -118,7 +118,7 @@ def test_constant_mark_is_torchs_and_importing_does_not_load_dynamo():
 
     import torch._dynamo
 
-    from rwkv_clip.precision import assume_constant_result, cpu_linear_uses_onednn
+    from rwkv_clip.cpu_gemm import assume_constant_result, cpu_linear_uses_onednn
 
     def theirs():
         return 1

@@ -168,20 +168,21 @@ def render(rng: np.random.Generator, size: int = IMAGE_SIZE):
     # centre of the named 3x3 cell, jittered, clamped so the shape stays inside
     margin = r * 1.1
     cell = S / 3.0
-    cx = (col + 0.5) * cell + rng.uniform(-0.1, 0.1) * cell
-    cy = (row + 0.5) * cell + rng.uniform(-0.1, 0.1) * cell
+    cx: float = (col + 0.5) * cell + rng.uniform(-0.1, 0.1) * cell
+    cy: float = (row + 0.5) * cell + rng.uniform(-0.1, 0.1) * cell
     cx = float(np.clip(cx, margin, S - margin))
     cy = float(np.clip(cy, margin, S - margin))
     rot = rng.uniform(-0.15, 0.15)
     fill = tuple(int(np.clip(v + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1), 0, 255))
                  for v in COLORS[color])
-    bg_img = Image.fromarray(_background(rng, bg, style, size)).resize((S, S), Image.NEAREST)
+    bg_img = Image.fromarray(_background(rng, bg, style, size)).resize(
+        (S, S), Image.Resampling.NEAREST)
     draw = ImageDraw.Draw(bg_img)
     if shape == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
     else:
         draw.polygon(_polygon(shape, cx, cy, r, rot), fill=fill)
-    img = bg_img.resize((size, size), Image.BOX)
+    img = bg_img.resize((size, size), Image.Resampling.BOX)
     attrs = {"shape": shape, "color": color, "size": size_name, "bg": bg, "style": style,
              "position": POSITIONS[int(row)][int(col)]}
     # the clamp may have moved the shape out of its cell: name the real position

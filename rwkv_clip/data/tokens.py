@@ -151,7 +151,7 @@ class CaptionTokens:
             raise DataError(f"caption-token array has dtype {arr.dtype}; expected integer "
                             "token ids", self.path)
         self.shape = tuple(arr.shape)
-        self._arr = None
+        self._arr: np.ndarray | None = None
 
     def _open(self) -> np.ndarray:
         if not os.path.isfile(self.path):

@@ -47,7 +47,7 @@ Examples:
 """
 
 
-def build_parser(retrieval: bool = False) -> argparse.ArgumentParser:
+def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     """The parser of ``zero_shot.py`` (``retrieval=False``) or ``text_image_retrieval.py``."""
     prog = "text_image_retrieval.py" if retrieval else "zero_shot.py"
     description = ("Zero-shot image-text retrieval of RWKV-CLIP (MSCOCO, Flickr30k, JSONL)"
@@ -176,7 +176,7 @@ def build_parser(retrieval: bool = False) -> argparse.ArgumentParser:
 def parse_options(argv: Sequence[str] | None = None, retrieval: bool = False
                   ) -> argparse.Namespace:
     """Parsed and checked options (what :func:`rwkv_clip.eval.runner.run` takes)."""
-    opts = build_parser(retrieval).parse_args(argv)
+    opts = build_eval_parser(retrieval).parse_args(argv)
     if opts.batch_size < 1 or opts.text_batch_size < 1 or opts.workers < 0:
         raise EvalError(f"--batch-size ({opts.batch_size}) and --text-batch-size "
                         f"({opts.text_batch_size}) must be >= 1, --workers ({opts.workers}) "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,7 @@ def _collate(batch):
 
 
 @torch.no_grad()
-def encode_image_shard(model, dataset: Dataset, device: torch.device, batch_size: int,
+def encode_image_shard(model, dataset: Any, device: torch.device, batch_size: int,
                        workers: int = 0, precision: str = "fp32",
                        describe: Callable[[int], str] | None = None,
                        fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -98,7 +99,7 @@ def _feature_width(model) -> int:
 
 
 @torch.no_grad()
-def encode_images_gathered(model, dataset: Dataset, device: torch.device, batch_size: int,
+def encode_images_gathered(model, dataset: Any, device: torch.device, batch_size: int,
                            workers: int = 0, precision: str = "fp32",
                            describe: Callable[[int], str] | None = None,
                            fn: Callable[[torch.Tensor], torch.Tensor] | None = None,

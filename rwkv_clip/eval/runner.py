@@ -102,7 +102,7 @@ def dataset_plan(opts) -> list[tuple[str, str]]:
 
 def builtin_folder() -> str:
     try:
-        from ..data import ensure_builtin_dataset  # type: ignore[attr-defined]
+        from ..data import ensure_builtin_dataset
     except ImportError:
         try:
             from ..data.builtin import ensure_builtin_dataset

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,7 @@ def evaluate_classification(model, eval_set: ClassificationSet, device: torch.de
                                                  batch_size, workers, precision, info)
     finally:
         model.train(was_training)
-    metrics = classification_metrics(logits, targets, eval_set.num_classes)
+    metrics: dict[str, Any] = dict(classification_metrics(logits, targets, eval_set.num_classes))
     name = headline_metric_name(eval_set.name)
     metrics.update(headline_metric=name, headline=metrics[name], num_samples=int(targets.numel()))
     return metrics
@@ -81,7 +82,7 @@ def evaluate_classification(model, eval_set: ClassificationSet, device: torch.de
 
 def model_input_size(model) -> int:
     """The image size the model was built for (patch grid x patch size)."""
-    tower = unwrap_model(model).image_model
+    tower: Any = unwrap_model(model).image_model
     return int(tower.patch_resolution[0] * tower.patch_embed.projection.kernel_size[0])
 
 

@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
         raise TrainArgsError(f"{message} (see {self.prog} --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_planner_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog=PROG, description="Memory planner: what a training step or inference "
                                         "of RWKV-CLIP needs, per GPU.")
     ap.add_argument("--config", default=None, help="model config JSON (default: B/32)")
@@ -70,7 +70,7 @@ def _fmt(b: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = build_planner_parser().parse_args(argv)
     _check(ns)
     precision = canonical_precision(ns.precision)
     from ..config import load_model_configs, resolve_config_path

@@ -46,8 +46,8 @@ WORKER_CODE = ("import sys; from rwkv_clip.memory.measure import worker_main; "
 def trainer_defaults() -> Namespace:
     """The trainer's settings with no flags given (optimizer, betas, weight decay,
     clipping, loss options): ``train.py``'s own argparse defaults."""
-    from ..train.args import build_parser
-    return build_parser().parse_args([])
+    from ..train.args import build_train_parser
+    return build_train_parser().parse_args([])
 
 
 def make_step(model: torch.nn.Module, precision: str, device_type: str,
@@ -75,8 +75,8 @@ def make_step(model: torch.nn.Module, precision: str, device_type: str,
                             scaler=scaler, autocast=prec.autocast_factory,
                             mode=settings.accum_mode, clip_grad_norm=settings.grad_clip_norm)
         return torch.tensor(result.loss)
-    step.optimizer = optimizer
-    step.scaler = scaler
+    step.optimizer = optimizer  # type: ignore[attr-defined]
+    step.scaler = scaler  # type: ignore[attr-defined]
     return step
 
 
@@ -107,7 +107,10 @@ def build_measured_model(config: str | Any, device: torch.device | str, checkpoi
 def rss_kib(field_name: str = "VmRSS") -> int:
     """A field of /proc/self/status in KiB (VmRSS: resident now; VmHWM: peak)."""
     text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field_name}:\s+(\d+)", text).group(1))
+    match = re.search(rf"{field_name}:\s+(\d+)", text)
+    if match is None:
+        raise MeasurementError(f"/proc/self/status has no {field_name} field")
+    return int(match.group(1))
 
 
 def _reset_hwm() -> bool:
@@ -136,14 +139,13 @@ class PeakRSS:
             self.peak = max(self.peak, rss_kib())
             time.sleep(0.001)
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self.by_hwm:
             self.peak = rss_kib("VmHWM")
         else:
             self._t.join()
             self.peak = max(self.peak, rss_kib())
-        return False
 
 
 def _warm_up_cpu(wkv_backend: str | None) -> None:
@@ -206,7 +208,6 @@ def run_measurement(spec: MeasureSpec) -> dict:
         model.train()
         step = make_step(model, spec.precision, dev.type)
         step(images, tokens)                       # warm: AdamW moments now exist
-        step.optimizer.zero_grad(set_to_none=True)
         run = lambda: step(images, tokens)
     else:
         model.eval()

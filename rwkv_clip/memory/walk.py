@@ -242,8 +242,8 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     P = lambda numel, dt="fp32": Sym(numel, dt, param=True)
     x = w.glue(a)                                        # the glue's dtype (autocast's)
     sh = w.new(n, x.dtype)                               # token shift: one copy
-    xxx = w.lerp(x, sh, w.glue(P(C)))                    # lerp(x, shift(x), time_maa_x)
-    m1 = w.matmul(xxx, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
+    mix_input = w.lerp(x, sh, w.glue(P(C)))                    # lerp(x, shift(x), time_maa_x)
+    m1 = w.matmul(mix_input, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
     t1 = w.unary_saves_result(m1)                        # tanh
     mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm: (5,B,T,C)
     maa = w.glue(Sym(5 * C, "fp32"))                     # cat of time_maa_w/k/v/r/g

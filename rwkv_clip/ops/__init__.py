@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import WKVError
-from . import build, kernels
+from . import build, cache, kernels
 from .reference import wkv6_bidirectional_reference
 
 BACKEND_ENV_VAR = "RWKV_CLIP_WKV_BACKEND"
@@ -72,7 +72,7 @@ def prepare_wkv_kernel(device: torch.device, notify: Callable[[str], None],
     if build.cpu_kernel_cached():
         return _nothing_to_wait_for
     notify(f"preparing the WKV CPU kernel (first use compiles it; cached in "
-           f"{build.cache_root()})")
+           f"{cache.cache_root()})")
     t0 = time.time()
     failure: list[BaseException] = []
 

@@ -24,10 +24,10 @@ PUBLISHED = (
 
 def _build(args: argparse.Namespace) -> None:
     """Build every requested kernel; the first failure propagates (one error line)."""
-    from . import build
+    from . import build, cache, toolchain
 
-    print(f"kernel cache: {build.cache_root()}")
-    print(f"kernel sources: {build.source_dir()}")
+    print(f"kernel cache: {cache.cache_root()}")
+    print(f"kernel sources: {toolchain.source_dir()}")
     if not args.no_cpu:
         t0 = time.time()
         mod = build.get_cpu_kernel(verbose=args.verbose)
@@ -35,11 +35,11 @@ def _build(args: argparse.Namespace) -> None:
               f"-> {mod.__file__} ({time.time() - t0:.0f}s)")
     if args.no_cuda:
         return
-    home = build.find_cuda_home()
+    home = toolchain.find_cuda_home()
     if home is None:
         print("[skipped] CUDA kernels: no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
         return
-    print(f"CUDA archs: {build.cuda_arch_list()} (set TORCH_CUDA_ARCH_LIST to change)")
+    print(f"CUDA archs: {toolchain.cuda_arch_list()} (set TORCH_CUDA_ARCH_LIST to change)")
     variants = build.CUDA_VARIANTS if args.variant == "all" else (args.variant,)
     done = set()
     for variant in variants:

@@ -23,6 +23,7 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -172,13 +173,13 @@ class StepResult:
 def clamp_logit_scale(model: nn.Module) -> None:
     """CLIP's temperature bound: exp(logit_scale) stays within [1, 100]."""
     with torch.no_grad():
-        unwrap_model(model).logit_scale.clamp_(0, math.log(100))
+        cast(torch.Tensor, unwrap_model(model).logit_scale).clamp_(0, math.log(100))
 
 
 def train_step(model: nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: nn.Module,
                optimizer: torch.optim.Optimizer, *, scaler=None,
                autocast: Callable = contextlib.nullcontext, mode: str = "exact",
-               clip_grad_norm: float | None = 1.0, wrapped: nn.Module | None = None,
+               clip_grad_norm: float | None = 1.0, wrapped: Callable | None = None,
                info: DistInfo | None = None) -> StepResult:
     """One optimizer step over K micro-batches: K forward and backward passes, the
     finite-loss check, unscale, clip, optimizer (scaler) step, gradients cleared,
@@ -189,7 +190,7 @@ def train_step(model: nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: n
     the last micro-batch only. Under a process group (``info``) every rank stops when any
     rank's loss is not finite. Raises :class:`NonFiniteLossError` before the parameters
     change."""
-    runner = model if wrapped is None else wrapped
+    runner: Any = model if wrapped is None else wrapped
     ddp = hasattr(runner, "require_backward_grad_sync")
     micro = MicroBatchLosses(model, micro_batches, loss_fn, autocast, mode)
     for j in range(micro.k):

@@ -42,7 +42,7 @@ def _bool_flag(group, name: str, default, help: str) -> None:
                        metavar="BOOL", help=help)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_train_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(
         prog="train.py",
         description="Train RWKV-CLIP. With no arguments: the small config on the built-in "
@@ -274,7 +274,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and resolve; bad flags or a bad config exit with status 2 and one line
     ``train.py: error: ...`` naming the flag or config key (argparse's own errors, such as
     an unknown flag, come with its usage text as usual)."""
-    parser = build_parser()
+    parser = build_train_parser()
     args = parser.parse_args(argv)
     args.explicit = explicit_dests(argv)  # what a resume may not silently override
     try:
@@ -292,7 +292,7 @@ def warn_ignored(args: argparse.Namespace, log=print) -> None:
 
 
 # ----------------------------------------------------------------------------- resume, retention
-# (issue 10: flags of the run-safety features; the logic lives in loop.py / checkpoint.py)
+# the run-safety flags; the logic lives in loop.py / checkpoint.py
 
 DEFAULT_KEEP_CHECKPOINTS = 5
 
@@ -313,7 +313,7 @@ def add_run_safety_flags(p: argparse.ArgumentParser) -> None:
 
 def explicit_dests(argv: Sequence[str] | None) -> list[str]:
     """The destinations of the flags given on the command line (not their defaults)."""
-    parser = build_parser()
+    parser = build_train_parser()
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return sorted(vars(parser.parse_args(argv)))
@@ -322,5 +322,5 @@ def explicit_dests(argv: Sequence[str] | None) -> list[str]:
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse's own errors (unknown flag, bad value) as one line, not the 30-line usage."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")

@@ -11,8 +11,8 @@ A checkpoint is one ``torch.save`` dict, readable with ``weights_only=True``:
 * ``rng``: per rank, torch CPU (and CUDA) generator states, numpy's and Python's ``random``;
 * ``args``: the training arguments (JSON-safe values), ``model_config``.
 
-Format 1 (before the learning rate became a function of the step) also holds a
-``scheduler`` state dict; it loads and resumes the same, the entry is ignored.
+Format 1 also holds a ``scheduler`` state dict; it loads and resumes the same, the entry
+is ignored.
 
 Writes go to a temporary file in the same folder, are flushed to disk, then renamed
 over the target, so a crash never leaves a half-written checkpoint under a real name.

@@ -175,7 +175,7 @@ class Board:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(os.path.join(output, "tensorboard"))
 
-    def scalars(self, step: int, **values: float) -> None:
+    def scalars(self, step: int, **values: float | None) -> None:
         if self.writer is None:
             return
         for tag, value in values.items():

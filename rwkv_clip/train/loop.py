@@ -24,8 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -50,6 +49,7 @@ from ..errors import (
 )
 from ..factory import build_model
 from ..loss import ClipLoss
+from ..model import get_model
 from ..ops import prepare_wkv_kernel
 from ..precision import get_precision
 from ..pretrained import load_weights
@@ -65,6 +65,9 @@ from .logger import (
 )
 from .rng import capture_rng, restore_rng
 from .schedule import lr_at, set_lr
+
+if TYPE_CHECKING:
+    from ..data.loader import LoaderArgs
 
 
 @dataclass
@@ -168,8 +171,9 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
     log.info(f"rank {info.rank}/{info.world_size} on {info.device} "
              f"(backend {info.backend or 'none'}); model settings from {source}")
     warn_ignored(args, log.info)
-    if host_memory.applied() is not None:
-        log.info(host_memory.describe(host_memory.applied()))
+    malloc_choice = host_memory.applied()
+    if malloc_choice is not None:
+        log.info(host_memory.describe(malloc_choice))
     # says so before a first-use compile, which then overlaps the model and data set-up
     kernel_ready = prepare_wkv_kernel(info.device, log.info, background=True)
     try:
@@ -192,14 +196,14 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
         rng = resume(ckpt, ckpt_path, info, log, model, optimizer, scaler, state,
                      data.total_steps)
         del ckpt
-    ddp_model = model  # wrapped after loading, so every rank starts from the same weights
+    ddp_model: Any = model  # wrapped after loading, so every rank starts from the same weights
     if info.distributed:
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
             bucket_cap_mb=32, find_unused_parameters=False)
     if args.torchcompile:  # the step runs compiled; checkpoints keep saving plain `model`
         ddp_model = torch.compile(ddp_model)
-    save = functools.partial(save_checkpoint, model=model, optimizer=optimizer, scaler=scaler,
+    save = functools.partial(save_run_checkpoint, model=model, optimizer=optimizer, scaler=scaler,
                              args=args, info=info, log=log, total_steps=data.total_steps)
     logs = Logs(args, info, log, state.step, data.total_steps, data.steps_per_epoch)
     k = args.gradient_acc
@@ -305,7 +309,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
 
 # ----------------------------------------------------------------------------- setup
 
-def build_train_model(args, info: DistInfo, log) -> torch.nn.Module:
+def build_train_model(args, info: DistInfo, log) -> get_model:
     """The model on its device, in train mode; identical initialisation on every rank."""
     seed_everything(args.seed)
     weights = load_weights(args.pretrained) if args.pretrained else None
@@ -436,8 +440,8 @@ def resume(ckpt: dict, path, info: DistInfo, log, model: torch.nn.Module,
     """Load a checkpoint's weights, optimizer, scaler and counters into place; return this
     rank's saved RNG states (restored once the data iterator exists), or None.
 
-    The learning rate needs nothing: ``lr_at`` is a function of the step. (Checkpoints
-    written before it existed hold a ``scheduler`` entry, which is ignored.)
+    The learning rate needs nothing: ``lr_at`` is a function of the step (a format-1
+    checkpoint's ``scheduler`` entry is ignored).
     """
     try:
         model.load_state_dict(ckpt["state_dict"])
@@ -462,7 +466,7 @@ def resume(ckpt: dict, path, info: DistInfo, log, model: torch.nn.Module,
     return None
 
 
-def save_checkpoint(name: str, state: RunState, *, model, optimizer, scaler, args,
+def save_run_checkpoint(name: str, state: RunState, *, model, optimizer, scaler, args,
                     info: DistInfo, log, total_steps: int) -> None:
     """Every rank's RNG states go in, so every rank must call this; rank 0 writes."""
     rngs_all = _gather_rng(info)
@@ -597,7 +601,8 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
 
 
 def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -607,9 +612,8 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.beta1)
-    # fused: one kernel over all parameters instead of ~10 small ops per tensor; on 2 CPU
-    # cores it is 11 ms instead of 62 ms per step for the small config (same update up to
-    # rounding). The original's AdamW is the plain one.
+    # fused: one kernel over all parameters instead of ~10 small ops per tensor (the same
+    # update up to rounding). The original's AdamW is the plain one.
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
                 for group in groups for p in group["params"])
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), fused=fused)
@@ -623,8 +627,10 @@ def lock_towers(model: torch.nn.Module, args, log) -> None:
             log.info(f"{tower} locked (frozen)")
 
 
-def loader_args(args, info: DistInfo, train_data: str, data_format: str) -> SimpleNamespace:
-    return SimpleNamespace(
+def loader_args(args, info: DistInfo, train_data: str, data_format: str) -> LoaderArgs:
+    from ..data.loader import LoaderArgs
+
+    return LoaderArgs(
         train_data=train_data, data_format=data_format, batch_size=args.batch_size,
         workers=args.workers, input_size=args.input_size, seed=args.seed,
         skip_corrupt=args.skip_corrupt, device=str(info.device), rank=info.rank,

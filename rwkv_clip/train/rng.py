@@ -23,7 +23,7 @@ def capture_rng(device: torch.device | None = None, *, host: bool = True) -> dic
     if device is not None and device.type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
     if host:
-        np_state = np.random.get_state()
+        np_state: Any = np.random.get_state()
         states["numpy"] = {"keys": torch.from_numpy(np_state[1].astype(np.int64)),
                            "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
                            "cached_gaussian": float(np_state[4])}
