@@ -156,7 +156,7 @@ def test_negative_keep_checkpoints_is_refused(tmp_path):
                          "--keep-checkpoints", "-1"]))
 
 
-# ---- a step batch larger than the training data (issue 10, ask 8)
+# ---- a step batch larger than the training data
 
 def _tiny_parquet(folder, usable: int):
     """img2dataset-style parquet with one failed row more than ``usable`` rows."""
