@@ -26,7 +26,7 @@ def random_image(w, h, seed=0):
 
 
 def imagenet_by_hand(img, s):
-    """The protocol as the issue states it, computed independently with PIL and numpy."""
+    """The paper's evaluation protocol, computed independently with PIL and numpy."""
     short_target = int(256 / 224 * s)
     w, h = img.size
     if w <= h:
