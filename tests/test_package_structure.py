@@ -162,3 +162,15 @@ def test_every_error_class_is_imported_from_errors():
                 if alias.name in names and source != "rwkv_clip.errors":
                     wrong.append(f"{module} imports {alias.name} from {source}")
     assert not wrong, "errors imported other than from rwkv_clip.errors: " + "; ".join(wrong)
+
+
+def test_mypy_checks_the_whole_package():
+    """CI runs ``mypy`` with pyproject.toml's settings: every module, no exceptions."""
+    import tomllib
+
+    pyproject = PACKAGE_DIR.parent / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.skip("not a source checkout")
+    config = tomllib.loads(pyproject.read_text(encoding="utf-8"))["tool"]["mypy"]
+    assert config["files"] == ["rwkv_clip"]
+    assert not [o for o in config.get("overrides", []) if o.get("ignore_errors")]
