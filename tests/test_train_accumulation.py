@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from train_util import tiny_model
+from train_util import record_step_grads, tiny_model
 
 from rwkv_clip import ClipLoss
 from rwkv_clip.errors import NonFiniteLossError
@@ -25,23 +25,12 @@ def _batch(n=8, size=16, seed=1):
     return images, tokens
 
 
-def _record_step_grads(model, opt) -> dict:
-    """The gradients the optimizer steps with (train_step clears them afterwards)."""
-    grads: dict = {}
-
-    def hook(optimizer, args, kwargs):
-        grads.update({n: p.grad.clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
-    opt.register_step_pre_hook(hook)
-    return grads
-
-
 def _one_step(base, images, tokens, k, mode="exact"):
     """One AdamW step over the 8 samples split into k micro-batches; captions are chosen
     once for the step (as the loop does), so every split sees the same texts."""
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.98), weight_decay=0.2)
-    grads = _record_step_grads(model, opt)
+    grads = record_step_grads(model, opt)
     m = images.shape[0] // k
     mbs = make_micro_batches(list(images.split(m)), list(tokens.split(m)),
                              caption_generator(0, 0, 0, 0), torch.device("cpu"))
@@ -89,7 +78,7 @@ def test_mean_mode_differs_and_averages_micro_losses():
     for sl in (slice(0, 4), slice(4, 8)):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        half_grads.append(_record_step_grads(model, opt))
+        half_grads.append(record_step_grads(model, opt))
         r = train_step(model, [MicroBatch(images[sl], texts[sl])], ClipLoss(), opt,
                        clip_grad_norm=None)
         half_losses.append(r.loss)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from train_util import TINY_CONFIG, tiny_model
+from train_util import TINY_CONFIG, record_step_grads, tiny_model
 
 from rwkv_clip import ClipLoss
 from rwkv_clip.errors import PrecisionError
@@ -73,9 +73,8 @@ def test_activation_checkpointing_gives_the_same_gradients():
         model = copy.deepcopy(base)
         model.set_grad_checkpointing(cp)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        grads.append(record_step_grads(model, opt))
         train_step(model, _micro_batches(k=2), ClipLoss(), opt, clip_grad_norm=None)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
     for name in grads[0]:
         a, b = grads[0][name].double(), grads[1][name].double()

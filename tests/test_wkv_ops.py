@@ -544,7 +544,7 @@ def test_lock_of_a_killed_builder_does_not_block(tmp_path):
     import time
     from pathlib import Path
     lock = tmp_path / "build.lock"
-    code = ("import sys, time\nfrom pathlib import Path\nfrom rwkv_clip.ops import build\n"
+    code = ("import sys, time\nfrom pathlib import Path\nfrom rwkv_clip.ops import cache\n"
             f"with cache.build_lock(Path({str(lock)!r}), 5):\n"
             "    print('locked', flush=True); time.sleep(600)\n")
     repo = Path(__file__).resolve().parents[1]
