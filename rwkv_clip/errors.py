@@ -73,12 +73,33 @@ class TrainingError(RWKVCLIPError, RuntimeError):
     """Training stopped for a reason the user can act on; the message says what to do."""
 
 
+class NonFiniteLossError(TrainingError, FloatingPointError):
+    """The loss became NaN or Inf; raised before the optimizer step."""
+
+
 class ResumeError(RWKVCLIPError, RuntimeError):
     """A checkpoint that cannot be resumed from; the message says why."""
 
 
 class EvalError(RWKVCLIPError, RuntimeError):
     """An evaluation problem the user can fix (missing data, unreadable file, bad folder)."""
+
+
+class DatasetNotFoundError(EvalError):
+    """An evaluation data set is not where it was looked for."""
+
+
+class ImageReadError(EvalError):
+    """An evaluation image cannot be read or decoded."""
+
+
+class PeerRankError(EvalError):
+    """Another rank failed; its own error message says why."""
+
+
+class MeasurementError(RWKVCLIPError, RuntimeError):
+    """A measuring run failed (out of memory, bad backend, ...); the message ends with the
+    worker's last lines of stderr."""
 
 
 class PrecisionError(RWKVCLIPError, ValueError):
@@ -119,5 +140,6 @@ def run_cli(main: Callable[[], int | None], prog: str | None = None) -> int:
 
 
 __all__ = ["RWKVCLIPError", "ConfigError", "CheckpointError", "WKVError", "KernelBuildError",
-           "DataError", "DistributedError", "TrainArgsError", "TrainingError", "ResumeError",
-           "EvalError", "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]
+           "DataError", "DistributedError", "TrainArgsError", "TrainingError", "NonFiniteLossError",
+           "ResumeError", "EvalError", "DatasetNotFoundError", "ImageReadError", "PeerRankError",
+           "MeasurementError", "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]

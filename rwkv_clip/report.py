@@ -143,13 +143,13 @@ def compute_predictions(model, folder: str | os.PathLike, device: torch.device |
                         batch_size: int = 128, precision: str = "fp32") -> dict[str, Any]:
     """Top-3 zero-shot predictions of ``model`` for every image of an image folder (with
     the folder's class names and templates), evaluated in this process alone."""
+    from .checkpoint_files import unwrap_model
     from .distributed import DistInfo
     from .eval.datasets import image_folder_set
     from .eval.zeroshot import (
         build_classifier,
         classification_logits,
         model_input_size,
-        unwrap_model,
     )
     from .transform import image_transform
 
@@ -169,7 +169,7 @@ def compute_predictions(model, folder: str | os.PathLike, device: torch.device |
         model.train(was_training)
     probs = logits.float().softmax(dim=-1)
     top_p, top_i = probs.topk(min(3, probs.shape[1]), dim=-1)
-    samples = [{"path": str(eval_set.describe(i)), "target": int(targets[i]),
+    samples: list[dict[str, Any]] = [{"path": str(eval_set.describe(i)), "target": int(targets[i]),
                 "top3": [int(c) for c in top_i[i]],
                 "top3_prob": [round(float(p), 4) for p in top_p[i]]}
                for i in range(len(targets))]
@@ -190,9 +190,9 @@ def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 def predictions_from_checkpoint(run_dir: str | os.PathLike, folder: str) -> dict[str, Any]:
     """Evaluate the run's newest checkpoint on ``folder`` (its config inferred from the
     parameter shapes, as ``zero_shot.py`` does)."""
+    from .checkpoint_files import StateDict, read_state_dict
     from .config import load_model_configs
-    from .model import check_state_dict, create_RWKV_Model, read_state_dict
-    from .pretrained import infer_config
+    from .factory import build_model, infer_config
 
     ckpt = newest_checkpoint(run_dir)
     if ckpt is None:
@@ -203,9 +203,7 @@ def predictions_from_checkpoint(run_dir: str | os.PathLike, folder: str) -> dict
     if name is None:
         raise EvalError(f"checkpoint {ckpt} matches none of the shipped model configs; the "
                         "picture needs its predictions: evaluate it with the training config")
-    model = create_RWKV_Model(load_model_configs(name))
-    check_state_dict(model, state_dict, str(ckpt))
-    model.load_state_dict(state_dict, strict=True)
+    model = build_model(load_model_configs(name), StateDict(state_dict, str(ckpt)))
     result = compute_predictions(model, folder)
     result["checkpoint"] = str(ckpt)
     return result
@@ -273,6 +271,7 @@ def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
     _accuracy_panel(ax, curves)
 
     if show_predictions:
+        assert predictions is not None
         _confusion_panel(fig.add_subplot(grid[1, :2]), predictions)
         sub = grid[1, 2].subgridspec(4, 4, hspace=0.55, wspace=0.1)
         names = predictions["classnames"]

@@ -122,8 +122,8 @@ def test_cli_errors_are_one_line(data, tmp_path):
 
 
 def test_help_explains_every_flag():
-    from zero_shot import build_parser
-    parser = build_parser()
+    from rwkv_clip.eval.cli import build_eval_parser
+    parser = build_eval_parser()
     text = parser.format_help()
     for action in parser._actions:
         for flag in action.option_strings:
@@ -305,14 +305,14 @@ def test_torchcompile_gives_the_eager_features(tmp_path):
 
     from rwkv_clip.distributed import DistInfo
     from rwkv_clip.eval.cli import parse_options
-    from rwkv_clip.eval.runner import build_model
+    from rwkv_clip.eval.runner import build_eval_model
 
     images = torch.randn(2, 3, 24, 24)
     feats = []
     for flags in ([], ["--torchcompile"]):
         opts = parse_options(["--device", "cpu", *flags])
         assert opts.torchcompile == bool(flags)
-        model, *_ = build_model(opts, torch.device("cpu"), DistInfo())
+        model, *_ = build_eval_model(opts, torch.device("cpu"), DistInfo())
         with torch.no_grad():
             feats.append(model.encode_image(images))
     torch.testing.assert_close(feats[0], feats[1], rtol=1e-5, atol=1e-5)

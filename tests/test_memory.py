@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
+from rwkv_clip.errors import MeasurementError
 from rwkv_clip.memory import (
     activation_segments,
     estimate,
@@ -21,7 +22,7 @@ from rwkv_clip.memory import (
     training_peak,
 )
 from rwkv_clip.memory.cli import run as run_planner
-from rwkv_clip.memory.measure import MeasurementError, MeasureSpec
+from rwkv_clip.memory.measure import MeasureSpec
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +91,13 @@ def test_gradient_and_optimizer_bytes_match_a_real_step(tiny):
     _, args, model = tiny
     step = make_step(model, "fp32", "cpu")
     images, tokens = synthetic_batch(args, 2, "cpu")
+    seen: dict[str, int] = {}  # the gradients the optimizer steps with (cleared after it)
+
+    def count_gradients(optimizer, args, kwargs):
+        seen["grads"] = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    step.optimizer.register_step_pre_hook(count_gradients)
     step(images, tokens)
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    grads = seen["grads"]
     moments = sum(s[k].numel() * s[k].element_size()
                   for s in step.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
     tr = training_peak(args, 8, "bf16")

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -114,16 +115,13 @@ def resolve_columns(schema, path: str, image_column: str | None = None,
     pa, _ = _pa()
     names = list(schema.names)
     have = ", ".join(names)
-    if image_column:
-        if image_column not in names:
-            raise DataError(f"no image column {image_column!r} (--image-column); the file "
-                            f"has columns: {have}", path)
-        image = image_column
-    else:
-        image = next((c for c in IMAGE_COLUMNS if c in names), None)
-        if image is None:
-            raise DataError(f"no image column (looked for {', '.join(IMAGE_COLUMNS)}; name it "
-                            f"with --image-column); the file has columns: {have}", path)
+    if image_column and image_column not in names:
+        raise DataError(f"no image column {image_column!r} (--image-column); the file "
+                        f"has columns: {have}", path)
+    image = image_column or next((c for c in IMAGE_COLUMNS if c in names), None)
+    if image is None:
+        raise DataError(f"no image column (looked for {', '.join(IMAGE_COLUMNS)}; name it "
+                        f"with --image-column); the file has columns: {have}", path)
     itype = schema.field(image).type
     struct = pa.types.is_struct(itype)
     if struct:
@@ -206,7 +204,7 @@ def index_parquet(spec, image_column: str | None = None, caption_columns=None,
     pa, pq = _pa()
     files = list_shards(spec, ext=".parquet")
     out = ParquetIndex(files)
-    ref_path = None
+    ref_path: str | None = None
     global_row = 0
     for fi, path in enumerate(files):
         try:
@@ -225,7 +223,7 @@ def index_parquet(spec, image_column: str | None = None, caption_columns=None,
                                               need_captions)
                 ref_path = path
             else:
-                _check_same_schema(schema, out.columns, path, ref_path)
+                _check_same_schema(schema, out.columns, path, ref_path or path)
         except DataError as e:
             if not skip_corrupt or _layout_error(e, out):
                 raise
@@ -367,11 +365,12 @@ class ParquetRows:
     def __init__(self, index: ParquetIndex, cache_rows: int):
         self.files = index.files
         self.units = index.units
-        self.cols = index.columns
+        assert index.columns is not None  # set by the index once a file is read
+        self.cols: ParquetColumns = index.columns
         self.cache_rows = cache_rows
         self._files: OrderedDict = OrderedDict()
         self._tables: OrderedDict = OrderedDict()
-        self._pid = None
+        self._pid: int | None = None
 
     def __getstate__(self):
         st = self.__dict__.copy()
@@ -474,7 +473,7 @@ class ParquetBatches(torch.utils.data.Dataset):
         # window edge, of the next one): keep two windows' worth of row groups
         group_rows = max(int(u.rows[-1]) + 1 for u in index.units)
         self.rows = ParquetRows(index, cache_rows=2 * (self.shuffle_rows + group_rows))
-        self._plan = None
+        self._plan: EpochPlan | None = None
 
     def __len__(self):
         return self.share.num_batches
@@ -522,7 +521,7 @@ class ParquetBatches(torch.utils.data.Dataset):
 
     def _tokens(self, caps: list, ids: list) -> np.ndarray:
         if caps[0] is None:
-            own = [None] * len(caps)
+            own: list[Any] = [None] * len(caps)
         elif isinstance(caps[0], np.ndarray):
             own = caps
         else:
@@ -571,8 +570,8 @@ class ParquetLoader:
         self.filtered = index.filtered
         self.log = log
         # forkserver workers for the torch loader's reason (no fork of a threaded process)
-        mp = dict(multiprocessing_context="forkserver", persistent_workers=True,
-                  prefetch_factor=2) if self.workers else {}
+        mp: dict[str, Any] = dict(multiprocessing_context="forkserver", persistent_workers=True,
+                                  prefetch_factor=2) if self.workers else {}
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=None, sampler=_BatchSampler(self),
             num_workers=self.workers, generator=private_generator(seed), **mp)

@@ -34,13 +34,15 @@ from __future__ import annotations
 import math
 import os
 import random
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import DataError
 from .decoding import decode_image, undecodable
-from .recordio import DataError, RecordIOReader, unpack
+from .recordio import RecordIOReader, unpack
 from .tokens import normalize_labels
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -153,9 +155,9 @@ def _to_tensor(im: Image.Image, mean, std) -> torch.Tensor:
 
 def train_transform(im: Image.Image, size: int, rng: random.Random) -> torch.Tensor:
     x, y, cw, ch = random_resized_crop_params(im.width, im.height, rng)
-    im = im.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
+    im = im.resize((size, size), Image.Resampling.BILINEAR, box=(x, y, x + cw, y + ch))
     if rng.random() < 0.5:
-        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return _to_tensor(im, CLIP_MEAN, CLIP_STD)
 
 
@@ -166,7 +168,7 @@ def eval_transform(im: Image.Image, size: int) -> torch.Tensor:
         nw, nh = short, max(1, int(round(h * short / w)))
     else:
         nh, nw = short, max(1, int(round(w * short / h)))
-    im = im.resize((nw, nh), Image.BILINEAR)
+    im = im.resize((nw, nh), Image.Resampling.BILINEAR)
     left, top = (nw - size) // 2, (nh - size) // 2
     im = im.crop((left, top, left + size, top + size))
     return _to_tensor(im, CLIP_MEAN, CLIP_STD)
@@ -339,7 +341,7 @@ class TorchLoader:
         # Workers come from a forkserver, not fork(): forking a process that already runs
         # DALI / OpenMP threads can deadlock the child. They persist across epochs (the
         # epoch travels with each index), so the start-up cost is paid once.
-        mp = dict(multiprocessing_context="forkserver", persistent_workers=True,
+        mp: dict[str, Any] = dict(multiprocessing_context="forkserver", persistent_workers=True,
                   prefetch_factor=4) if self.workers else {}
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=batch_size, sampler=self.sampler,

@@ -39,11 +39,13 @@ import os
 import tarfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from .recordio import DataError, RecordIOWriter
+from ..errors import DataError
+from .recordio import RecordIOWriter
 from .tokens import NUM_LABELS, encode_captions_batch, labels_for_rec
 from .wds import sample_key
 
@@ -162,7 +164,7 @@ def files_layout_dirs(folder: str) -> list[str]:
     ``.txt`` + ``.json``) that hold images, sorted; [] when it is not that layout."""
     out = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.is_dir() and any(_split_name(n) and _split_name(n)[1] in IMAGE_EXTS
+        if entry.is_dir() and any((split := _split_name(n)) and split[1] in IMAGE_EXTS
                                   for n in os.listdir(entry.path)):
             out.append(entry.path)
     return out
@@ -215,7 +217,9 @@ def iter_img2dataset(folder: str) -> Iterator[dict]:
                     key, ext = split
                     if ext not in IMAGE_EXTS + ("txt", "json"):
                         continue
-                    groups.setdefault(key, {})[ext] = tf.extractfile(m).read()
+                    member = tf.extractfile(m)
+                    if member is not None:
+                        groups.setdefault(key, {})[ext] = member.read()
             except (tarfile.TarError, OSError) as e:
                 yield {"name": t, "error": f"truncated or corrupt shard: {e}"}
             for key, g in groups.items():
@@ -248,7 +252,7 @@ def iter_input(path: str, image_column: str | None = None,
 def prepare_image(data: bytes, resize: int | None = None) -> bytes:
     """Validate (full decode) and return JPEG bytes; raise :class:`SkipSample` if bad."""
     try:
-        im = Image.open(io.BytesIO(data))
+        im: Image.Image = Image.open(io.BytesIO(data))
         fmt = im.format
         im.load()
     except Exception as e:  # PIL raises many types for bad data
@@ -271,7 +275,7 @@ def prepare_image(data: bytes, resize: int | None = None) -> bytes:
         w, h = im.size
         s = resize / min(w, h)
         if s < 1.0:  # only shrink
-            im = im.resize((max(1, round(w * s)), max(1, round(h * s))), Image.BICUBIC)
+            im = im.resize((max(1, round(w * s)), max(1, round(h * s))), Image.Resampling.BICUBIC)
     buf = io.BytesIO()
     im.save(buf, format="JPEG", quality=JPEG_QUALITY)
     return buf.getvalue()
@@ -320,12 +324,12 @@ def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_example
 
     A sample with stored ``tokens`` (231,) keeps them and has captions None.
     """
-    buf = []
+    buf: list[tuple[Any, bytes, tuple | None, Any]] = []
 
     def flush():
         if not buf:
             return
-        texts = [b[2] for b in buf if b[3] is None]
+        texts = [b[2] for b in buf if b[3] is None and b[2] is not None]
         toks = iter(encode_captions_batch(texts)) if texts else iter(())
         for name, jpg, caps, stored in buf:
             yield name, jpg, (next(toks) if stored is None else stored), caps
@@ -347,7 +351,7 @@ def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_example
                 skipped_examples.append((s.get("name"), reason + (f" ({e.detail})" if e.detail
                                                                   else "")))
             continue
-        caps = None if stored is not None else (raw.strip(), s.get("synthetic"),
+        caps = None if stored is not None else (str(raw).strip(), s.get("synthetic"),
                                                 s.get("generated"))
         buf.append((s.get("name"), jpg, caps, stored))
         if len(buf) >= chunk:
@@ -412,7 +416,7 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
     summary: Counter = Counter()
     examples: list = []
     shards: list[str] = []
-    tf = None
+    tf: tarfile.TarFile | None = None
     n = 0
     try:
         for _, jpg, tok, caps in _prepared(_progress(samples, total, "make_wds", progress),
@@ -423,6 +427,7 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
                     os.replace(shards[-1] + ".tmp", shards[-1])
                 shards.append(f"{prefix}-{len(shards):06d}.tar")
                 tf = tarfile.open(shards[-1] + ".tmp", "w", format=tarfile.USTAR_FORMAT)
+            assert tf is not None
             key = f"{n:09d}"
             _add(tf, key + ".jpg", jpg)
             _add(tf, key + ".tok", tokens_to_bytes(tok))

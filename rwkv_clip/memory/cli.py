@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
         raise TrainArgsError(f"{message} (see {self.prog} --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_planner_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog=PROG, description="Memory planner: what a training step or inference "
                                         "of RWKV-CLIP needs, per GPU. The flags mean what "
                                         "train.py's do, so a training command's values can "
@@ -76,7 +76,7 @@ def _fmt(b: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = build_planner_parser().parse_args(argv)
     _check(ns)
     precision = canonical_precision(ns.precision)
     from ..config import load_model_configs, resolve_config_path

@@ -31,10 +31,10 @@ def _build(args: argparse.Namespace) -> None:
     """Build every requested kernel; the first failure propagates (one error line)."""
     import torch
 
-    from . import build
+    from . import build, cache, toolchain
 
-    print(f"kernel cache: {build.cache_root()}")
-    print(f"kernel sources: {build.source_dir()}")
+    print(f"kernel cache: {cache.cache_root()}")
+    print(f"kernel sources: {toolchain.source_dir()}")
     if not args.no_cpu:
         t0 = time.time()
         mod = build.get_cpu_kernel(verbose=args.verbose)
@@ -46,11 +46,11 @@ def _build(args: argparse.Namespace) -> None:
     if torch.version.cuda is None:
         print(f"[skipped] CUDA kernels: this torch ({torch.__version__}) is a CPU-only build")
         return
-    home = build.find_cuda_home()
+    home = toolchain.find_cuda_home()
     if home is None:
         print("[skipped] CUDA kernels: no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
         return
-    print(f"CUDA archs: {build.cuda_arch_list()} (set TORCH_CUDA_ARCH_LIST to change)")
+    print(f"CUDA archs: {toolchain.cuda_arch_list()} (set TORCH_CUDA_ARCH_LIST to change)")
     if not torch.cuda.is_available():
         print("no GPU visible: the CUDA kernels are compiled and loaded here, and run where a "
               "GPU is (same cache folder)")

@@ -16,23 +16,19 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
 
-from ..config import ConfigError, ModelArgs, parse_bool, read_config_json
-from ..errors import EXIT_USER_ERROR, CheckpointError, TrainArgsError, report
+from ..config import (
+    DEFAULT_CONFIG,
+    TOWER_KEYS,
+    ModelArgs,
+    apply_overrides,
+    read_config_json,
+    str2bool,
+)
+from ..errors import EXIT_USER_ERROR, CheckpointError, ConfigError, TrainArgsError, report
 from ..precision import PRECISIONS
 from ..pretrained import published_config
 
-DEFAULT_CONFIG = "RWKV_CLIP_small"
-
-# Model keys that have a tower flag of the same name (--input-size -> input_size ...).
-TOWER_KEYS = (
-    "input_size", "image_depth", "image_embed_dims", "image_patch_size", "image_hidden_rate",
-    "image_num_heads", "image_output_cls_token", "image_with_cls_token", "drop_path_rate",
-    "ctx_len", "vocab_size", "text_initialization", "head_size", "text_num_head", "pos_emb",
-    "head_size_divisor", "n_layer", "n_embd", "dim_att", "dim_ffn", "head_qk", "tiny_att_dim",
-    "tiny_att_layer",
-)
 # Config keys that are training options with their own flag (flag name -> config key).
 SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "workers",
                 "open_checkpoint": "with_cp"}
@@ -40,14 +36,6 @@ SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "work
 NOT_MODEL_KEYS = ("workers", "data_type")
 
 DATA_FORMATS = ("rec", "wds", "parquet", "builtin")
-
-
-def str2bool(value: Any) -> bool:
-    """argparse type for booleans: True/False, 1/0 (also yes/no), as the original's scripts."""
-    parsed = parse_bool(value)
-    if parsed is None:
-        raise argparse.ArgumentTypeError(f"expected a boolean (True/False/1/0), got {value!r}")
-    return parsed
 
 
 def _bool_flag(group, name: str, default, help: str) -> None:
@@ -66,7 +54,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_train_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(
         prog="train.py",
         description="Train RWKV-CLIP. With no arguments: the small config on the built-in "
@@ -253,13 +241,10 @@ def resolve_model_config(args: argparse.Namespace) -> tuple[ModelArgs, str]:
     params, path = read_config_json(config if config is not None else DEFAULT_CONFIG)
     flags = [f for f in (*TOWER_KEYS, *SHARED_FLAGS) if getattr(args, f) is not None]
     given = {SHARED_FLAGS.get(f, f): getattr(args, f) for f in flags}
-    if "n_embd" in given:  # derived widths follow a new n_embd unless given too
-        for k in ("dim_att", "dim_ffn"):
-            given.setdefault(k, 0)
     source = str(path) + (f" ({named_by})" if named_by else "")
     if flags:
         source += " overridden by " + ", ".join("--" + f.replace("_", "-") for f in flags)
-    model = ModelArgs.from_dict({**params, **given}, source=f"model config {source}")
+    model = ModelArgs.from_dict(apply_overrides(params, given), source=f"model config {source}")
     return model, source
 
 
@@ -344,7 +329,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and resolve; bad flags or a bad config exit with status 2 and one line
     ``train.py: error: ...`` naming the flag or config key (argparse's own errors, such as
     an unknown flag, come with its usage text as usual)."""
-    parser = build_parser()
+    parser = build_train_parser()
     args = parser.parse_args(argv)
     args.explicit = explicit_dests(argv)  # what a resume may not silently override
     try:
@@ -362,7 +347,7 @@ def warn_ignored(args: argparse.Namespace, log=print) -> None:
 
 
 # ----------------------------------------------------------------------------- resume, retention
-# (issue 10: flags of the run-safety features; the logic lives in loop.py / checkpoint.py)
+# the run-safety flags; the logic lives in loop.py / checkpoint.py
 
 DEFAULT_KEEP_CHECKPOINTS = 5
 
@@ -383,7 +368,7 @@ def add_run_safety_flags(p: argparse.ArgumentParser) -> None:
 
 def explicit_dests(argv: Sequence[str] | None) -> list[str]:
     """The destinations of the flags given on the command line (not their defaults)."""
-    parser = build_parser()
+    parser = build_train_parser()
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return sorted(vars(parser.parse_args(argv)))
@@ -392,5 +377,5 @@ def explicit_dests(argv: Sequence[str] | None) -> list[str]:
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse's own errors (unknown flag, bad value) as one line, not the 30-line usage."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
