@@ -255,15 +255,16 @@ def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
     rows = 2 if show_predictions else 1
     grid = fig.add_gridspec(rows, 3, height_ratios=[1, 2.2] if show_predictions else [1])
 
-    one = dict(marker="o") if len(curves.steps) == 1 else {}  # one point: no line to draw
+    # one point draws no line: mark it
     ax = fig.add_subplot(grid[0, 0])
-    ax.plot(curves.steps, curves.loss, color="tab:blue", **one)
+    ax.plot(curves.steps, curves.loss, color="tab:blue",
+            marker="o" if len(curves.steps) == 1 else None)
     ax.set(title="training loss (mean over each logged interval)", xlabel="optimizer step",
            ylabel="contrastive loss")
     ax.grid(alpha=0.3)
     ax = fig.add_subplot(grid[0, 1])
     lr_steps, lr = curves.lr_curve()
-    ax.plot(lr_steps, lr, color="tab:orange", **(dict(marker="o") if len(lr_steps) == 1 else {}))
+    ax.plot(lr_steps, lr, color="tab:orange", marker="o" if len(lr_steps) == 1 else None)
     ax.set(title="learning rate", xlabel="optimizer step", ylabel="lr")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     ax.grid(alpha=0.3)
