@@ -31,7 +31,7 @@ def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None
     parameter shapes unless given."""
     from .checkpoint_files import check_state_dict
     from .config import load_model_configs
-    from .factory import infer_config
+    from .factory import fitting_config_hint, infer_config
     from .model import create_RWKV_Model
     from .pretrained import load_weights, model_config
 
@@ -46,7 +46,7 @@ def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None
                           "pass --config path/to/config.json")
     with torch.device("meta"):  # names, shapes and dtypes only; no memory, no init cost
         model = create_RWKV_Model(load_model_configs(config))
-    check_state_dict(model, state, weights.label)
+    check_state_dict(model, state, weights.label, hint=lambda: fitting_config_hint(state))
     expected = model.state_dict()
     return {k: state[k].detach().to(expected[k].dtype).contiguous() for k in expected}, config
 

@@ -33,7 +33,7 @@ def build_model(args: Any, weights: StateDict | None = None, *, seed: int | None
         torch.manual_seed(seed)
     model = create_RWKV_Model(args)
     if weights is not None:
-        load_checked(model, weights)
+        load_checked(model, weights, hint=lambda: fitting_config_hint(weights.tensors))
     if wkv_backend is not None:
         model.set_wkv_backend(wkv_backend)
     if device is not None:
@@ -62,6 +62,15 @@ def infer_config(state_dict: Mapping[str, torch.Tensor],
             changed = sum(params.get(k) != v for k, v in overrides.items())
             matches.append((changed, name))
     return min(matches)[1] if matches else None
+
+
+def fitting_config_hint(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """The fix for weights that do not fit the chosen config: the shipped config they fit."""
+    fits = infer_config(state_dict)
+    if not fits:
+        return ""
+    return (f"; its shapes fit model_config/{fits}.json (pass --config {fits}, or "
+            f"load_model_configs({fits!r}) in Python)")
 
 
 def choose_model_args(config: str | os.PathLike | None, weights: StateDict | None = None,
