@@ -293,12 +293,19 @@ def create_model_and_transforms(model_name: str, pretrained: str | os.PathLike |
                                 seed: int | None = None) -> tuple[torch.nn.Module, Any, Any]:
     """``(model, preprocess_train, preprocess_val)`` as open_clip's function of that name.
 
+    ``model_name`` may also be an exported folder (``python -m rwkv_clip.export ...
+    --format hub``): ``hf-hub:ORG/NAME[@REVISION]`` through the Hub cache or
+    ``local-dir:DIR`` from disk; its own weights load unless ``pretrained`` is given.
     ``preprocess_val`` is open_clip's eval transform (what the original used for every set
     but ImageNet); ``rwkv_clip.eval.eval_transform("imagenet", size)`` gives the ImageNet
     protocol. The model is returned in train mode, as open_clip's: call ``.eval()``.
     """
+    from .hub import create_from_folder, is_folder_spec
     from .transform import image_transform
 
+    if is_folder_spec(model_name):  # an exported folder: its config, weights, preprocessing
+        return create_from_folder(str(model_name), pretrained, device, wkv_backend=wkv_backend,
+                                  revision=revision, cache_dir=cache_dir)
     model = create_model(model_name, pretrained, device, wkv_backend=wkv_backend,
                          revision=revision, cache_dir=cache_dir, seed=seed)
     size = load_config_input_size(model_name)
@@ -313,11 +320,16 @@ def load_config_input_size(model_name: str) -> int:
 
 
 def get_tokenizer(model_name: str) -> Callable[[str | list[str]], torch.Tensor]:
-    """``texts -> (N, ctx_len)`` token ids for ``model_name`` (CLIP's BPE, zero padded)."""
+    """``texts -> (N, ctx_len)`` token ids for ``model_name`` (a model or config name, or an
+    exported folder ``hf-hub:ORG/NAME`` / ``local-dir:DIR``; CLIP's BPE, zero padded)."""
     from .config import read_config_json
+    from .hub import folder_context_length, is_folder_spec
     from .tokenizer import tokenize
 
-    ctx_len = int(read_config_json(model_config(model_name))[0].get("ctx_len", 77))
+    if is_folder_spec(model_name):
+        ctx_len = folder_context_length(model_name)
+    else:
+        ctx_len = int(read_config_json(model_config(model_name))[0].get("ctx_len", 77))
     return functools.partial(tokenize, context_length=ctx_len)
 
 
