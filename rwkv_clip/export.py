@@ -162,6 +162,11 @@ def output_format(opts: argparse.Namespace) -> tuple[str, Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     fmt, out = output_format(opts)
+    records = None
+    if fmt == "hub":  # read the figures first: a bad results file fails before any work
+        from .hub import card_records
+
+        records = card_records(opts.checkpoint, opts.eval_json)
     state, config = export_state_dict(opts.checkpoint, opts.config)
     count = sum(v.numel() for v in state.values())
     if fmt == "onnx":
@@ -171,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fmt == "hub":
         from .hub import export_hub_folder
 
-        return export_hub_folder(state, config, out, opts.checkpoint, opts)
+        return export_hub_folder(state, config, out, opts.checkpoint, opts, records or [])
     sha = save_state_dict(state, out, opts.ddp_prefix)
     print(f"wrote {out}: {count:,} parameters in {len(state)} tensors (config {config}"
           f"{', module. prefix' if opts.ddp_prefix else ''})\nsha256 {sha}", flush=True)

@@ -243,25 +243,30 @@ def write_hub_folder(state: Mapping[str, torch.Tensor], model_config: Mapping[st
     return written
 
 
+def card_records(checkpoint: str | os.PathLike,
+                 eval_json: Sequence[str | os.PathLike] | None) -> list[dict[str, Any]]:
+    """The evaluation records for a card: from ``eval_json`` if given, else the result
+    files found beside ``checkpoint`` (:func:`find_eval_results`)."""
+    return load_eval_results(eval_json if eval_json else find_eval_results(checkpoint))
+
+
 def export_hub_folder(state: Mapping[str, torch.Tensor], config: str, out: Path,
-                      checkpoint: str | os.PathLike, opts: Any) -> int:
-    """The ``--format hub`` command: weights, configs and a card with the evaluation
-    results of ``opts.eval_json`` (else those found beside ``checkpoint``)."""
+                      checkpoint: str | os.PathLike, opts: Any,
+                      records: Sequence[Mapping[str, Any]]) -> int:
+    """The ``--format hub`` command: weights, configs and a card with ``records``."""
     from .config import read_config_json
 
     params = read_config_json(config)[0]
-    sources = opts.eval_json if opts.eval_json else find_eval_results(checkpoint)
-    records = load_eval_results(sources)
     info = CardInfo(name=opts.name or (opts.repo_id or "").split("/")[-1] or out.resolve().name,
                     model_config=params, license=opts.license, datasets=opts.datasets or (),
                     trained_on=training_summary(checkpoint_run_args(checkpoint)),
                     repo_id=opts.repo_id, parameters=sum(v.numel() for v in state.values()))
     write_hub_folder(state, params, out, info, records)
-    figures = f"{len(records)} evaluation record(s)" if records else "no evaluation results"
+    figures = (", ".join(f"{r['dataset']} {r['task']}" for r in records) if records
+               else "no evaluation results")
     print(f"wrote {out}: {WEIGHTS_FILE}, {MODEL_CONFIG_FILE}, {PREPROCESS_CONFIG_FILE}, "
-          f"{CARD_FILE} ({figures}{': ' + ', '.join(map(str, sources)) if sources else ''}; "
-          f"config {config})\nload it with create_model_and_transforms(\"local-dir:{out}\")",
-          flush=True)
+          f"{CARD_FILE} (figures: {figures}; config {config})\nload it with "
+          f"create_model_and_transforms(\"local-dir:{out}\")", flush=True)
     return 0
 
 
@@ -367,12 +372,12 @@ def create_from_folder(spec: str, pretrained: str | os.PathLike | None = None,
         return create_model_and_transforms(known.config, pretrained or spec, device,
                                            wkv_backend=wkv_backend, revision=revision,
                                            cache_dir=cache_dir)
-    where = {"revision": revision, "cache_dir": cache_dir}
-    config_path = folder_file(spec, MODEL_CONFIG_FILE, **where)
-    cfg = read_folder_json(spec, PREPROCESS_CONFIG_FILE, **where)
+    config_path = folder_file(spec, MODEL_CONFIG_FILE, revision=revision, cache_dir=cache_dir)
+    cfg = read_folder_json(spec, PREPROCESS_CONFIG_FILE, revision=revision, cache_dir=cache_dir)
     if not isinstance(cfg.get("size"), int):
         raise CheckpointError(f"{spec}: {PREPROCESS_CONFIG_FILE} has no integer size")
-    weights = pretrained or folder_file(spec, WEIGHTS_FILE, **where)
+    weights = pretrained or folder_file(spec, WEIGHTS_FILE, revision=revision,
+                                        cache_dir=cache_dir)
     model = create_model(str(config_path), weights, device, wkv_backend=wkv_backend,
                          revision=revision, cache_dir=cache_dir)
     kwargs = {k: cfg[k] for k in ("resize_mode", "interpolation") if cfg.get(k)}

@@ -83,7 +83,7 @@ def export_decompositions() -> dict[Any, Callable]:
 class ImageEncoder(nn.Module):
     """``model.encode_image`` as a module of one input (what is exported)."""
 
-    def __init__(self, model: nn.Module, normalize: bool = False) -> None:
+    def __init__(self, model: Any, normalize: bool = False) -> None:
         super().__init__()
         self.model, self.normalize = model, normalize
 
@@ -94,7 +94,7 @@ class ImageEncoder(nn.Module):
 class TextEncoder(nn.Module):
     """``model.encode_text`` as a module of one input (what is exported)."""
 
-    def __init__(self, model: nn.Module, normalize: bool = False) -> None:
+    def __init__(self, model: Any, normalize: bool = False) -> None:
         super().__init__()
         self.model, self.normalize = model, normalize
 
@@ -102,14 +102,14 @@ class TextEncoder(nn.Module):
         return self.model.encode_text(text, normalize=self.normalize)
 
 
-def model_input_shapes(model: nn.Module) -> tuple[int, int]:
+def model_input_shapes(model: Any) -> tuple[int, int]:
     """``(image size, context length)`` the model was built for."""
     from .eval.zeroshot import model_input_size
 
     return model_input_size(model), int(model.text_model.args.ctx_len)
 
 
-def example_inputs(model: nn.Module, batch: int, seed: int = 0
+def example_inputs(model: Any, batch: int, seed: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random normalised-looking images and token ids of the model's shapes."""
     size, ctx_len = model_input_shapes(model)
@@ -147,7 +147,7 @@ def export_module(module: nn.Module, example: torch.Tensor, name: str, path: Pat
     return path
 
 
-def export_onnx(model: nn.Module, out_dir: str | os.PathLike, model_config: dict[str, Any],
+def export_onnx(model: Any, out_dir: str | os.PathLike, model_config: dict[str, Any],
                 normalize: bool = False) -> dict[str, Path]:
     """Write ``image_encoder.onnx``, ``text_encoder.onnx``, the model config, the
     preprocessing config and ``onnx_config.json`` (inputs, shapes, ``normalize``) into
@@ -176,7 +176,7 @@ def export_onnx(model: nn.Module, out_dir: str | os.PathLike, model_config: dict
     return written
 
 
-def feature_width(model: nn.Module) -> int:
+def feature_width(model: Any) -> int:
     return int(model.image_model.embed_dims)
 
 
@@ -187,7 +187,7 @@ def max_relative_difference(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def verify_onnx(model: nn.Module, out_dir: str | os.PathLike,
+def verify_onnx(model: Any, out_dir: str | os.PathLike,
                 batch_sizes: Iterable[int] = (1, 7), seed: int = 1) -> dict[str, float]:
     """Run the exported encoders with onnxruntime on random inputs and compare them with
     the model in fp32: ``{"image_b1": max relative difference, ...}``."""
@@ -243,6 +243,6 @@ def export_onnx_folder(state: dict[str, torch.Tensor], config: str, out: Path,
     return 0
 
 
-__all__ = ["model_from_state", "export_onnx_folder", "IMAGE_FILE", "TEXT_FILE", "ONNX_CONFIG_FILE", "ImageEncoder", "TextEncoder",
-           "export_decompositions", "export_module", "export_onnx", "verify_onnx",
-           "max_relative_difference", "example_inputs"]
+__all__ = ["IMAGE_FILE", "TEXT_FILE", "ONNX_CONFIG_FILE", "ImageEncoder", "TextEncoder",
+           "export_decompositions", "export_module", "export_onnx", "export_onnx_folder",
+           "verify_onnx", "model_from_state", "max_relative_difference", "example_inputs"]

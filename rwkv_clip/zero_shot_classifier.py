@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def _model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
 @torch.no_grad()
-def build_zero_shot_classifier(model: torch.nn.Module,
+def build_zero_shot_classifier(model: Any,
                                tokenizer: Callable[[list[str]], torch.Tensor] | None,
                                classnames: Sequence[str], templates: Sequence[str],
                                device: torch.device | str | None = None,
@@ -43,7 +43,7 @@ def build_zero_shot_classifier(model: torch.nn.Module,
         model.train(was_training)
 
 
-def _image_batch(model: torch.nn.Module, images: Any) -> torch.Tensor:
+def _image_batch(model: Any, images: Any) -> torch.Tensor:
     """(B, 3, S, S) from a tensor batch, one (3, S, S) tensor, or PIL image(s), which get
     the evaluation transform of the model's image size."""
     if isinstance(images, torch.Tensor):
@@ -57,7 +57,7 @@ def _image_batch(model: torch.nn.Module, images: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def classify(model: torch.nn.Module, images: Any, classnames: Sequence[str],
+def classify(model: Any, images: Any, classnames: Sequence[str],
              templates: Sequence[str] | None = None,
              tokenizer: Callable[[list[str]], torch.Tensor] | None = None,
              device: torch.device | str | None = None) -> torch.Tensor:

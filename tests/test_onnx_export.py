@@ -48,7 +48,8 @@ def test_dense_wkv_float32_keeps_weak_decays_after_strong_ones():
 
 def test_shift_decompositions_equal_the_operators():
     from rwkv_clip.layers.shift import _q_shift_grid, _sequence_shift
-    from rwkv_clip.onnx_export import _q_shift, _sequence_shift as sequence_shift_export
+    from rwkv_clip.onnx_export import _q_shift
+    from rwkv_clip.onnx_export import _sequence_shift as sequence_shift_export
 
     grid, seq = torch.randn(2, 3, 5, 2, 8), torch.randn(2, 7, 3, 8)
     for adjoint in (False, True):
@@ -145,9 +146,9 @@ def test_cli_exports_trained_checkpoint_with_normalised_features(trained_checkpo
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr
     assert "image_b7" in r.stdout and "text_b1" in r.stdout  # the check at batch 1 and 7 ran
+    from rwkv_clip.model import read_state_dict
     from rwkv_clip.onnx import OnnxCLIP
     from rwkv_clip.onnx_export import example_inputs, max_relative_difference, model_from_state
-    from rwkv_clip.model import read_state_dict
 
     model = model_from_state(read_state_dict(trained_checkpoint), "RWKV_CLIP_tiny")
     clip = OnnxCLIP(out)
