@@ -109,13 +109,8 @@ class OnnxCLIP:
         cfg = self.preprocess_config
         size = int(cfg["size"])
         image = image.convert("RGB")
-        w, h = image.size
-        scale = size / min(w, h)
-        new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
-        if w < h:
-            new_w = size
-        else:
-            new_h = size
+        w, h = image.size  # shorter side to size, the longer one truncated (torchvision's)
+        new_w, new_h = (size, int(size * h / w)) if w <= h else (int(size * w / h), size)
         image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)
         left, top = int(round((new_w - size) / 2.0)), int(round((new_h - size) / 2.0))
         image = image.crop((left, top, left + size, top + size))
