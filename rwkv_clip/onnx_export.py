@@ -27,6 +27,7 @@ IMAGE_FILE = "image_encoder.onnx"
 TEXT_FILE = "text_encoder.onnx"
 ONNX_CONFIG_FILE = "onnx_config.json"
 EXPORT_BATCH = 2  # the example batch traced; the batch dimension stays dynamic
+PROTOBUF_LIMIT = 1_800_000_000  # bytes of weights one .onnx file may hold (protobuf: 2 GiB)
 VERIFY_TOLERANCE = 1e-4  # max |onnxruntime - PyTorch| / max |PyTorch feature|
 
 
@@ -138,6 +139,16 @@ def export_module(module: nn.Module, example: torch.Tensor, name: str, path: Pat
     program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},),
                                   strict=False)
     program = program.run_decompositions(export_decompositions())
+    # one self-contained file unless the weights pass protobuf's 2 GB limit: then they go
+    # to PATH.data beside it (written in place, where onnxruntime looks for them)
+    weight_bytes = sum(t.numel() * t.element_size() for t in program.state_dict.values())
+    if weight_bytes > PROTOBUF_LIMIT:
+        torch.onnx.export(program, (example,), str(path), dynamo=True, input_names=[name],
+                          output_names=["features"], external_data=True, optimize=True,
+                          verbose=False)
+        for written in path.parent.glob(path.name + "*"):
+            os.chmod(written, 0o644)
+        return path
     tmp = path.with_name(path.name + ".tmp")
     torch.onnx.export(program, (example,), str(tmp), dynamo=True, input_names=[name],
                       output_names=["features"], external_data=False, optimize=True,
@@ -157,13 +168,17 @@ def export_onnx(model: Any, out_dir: str | os.PathLike, model_config: dict[str, 
     _require_exporter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = model.eval()
+    was_training = model.training
+    model.eval()
     image, text = example_inputs(model, EXPORT_BATCH)
     size, ctx_len = model_input_shapes(model)
-    written = {"image_encoder": export_module(ImageEncoder(model, normalize), image, "image",
-                                              out / IMAGE_FILE),
-               "text_encoder": export_module(TextEncoder(model, normalize), text, "text",
-                                             out / TEXT_FILE)}
+    try:
+        written = {"image_encoder": export_module(ImageEncoder(model, normalize), image,
+                                                  "image", out / IMAGE_FILE),
+                   "text_encoder": export_module(TextEncoder(model, normalize), text, "text",
+                                                 out / TEXT_FILE)}
+    finally:
+        model.train(was_training)
     written.update(write_config_files(out, model_config, size))
     info = {"image_encoder": IMAGE_FILE, "text_encoder": TEXT_FILE,
             "image_input": {"name": "image", "shape": ["batch", 3, size, size],
