@@ -163,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     fmt, out = output_format(opts)
     records = None
+    if fmt == "onnx":  # a missing exporter package fails before any work
+        from .onnx_export import require_exporter
+
+        require_exporter()
     if fmt == "hub":  # read the figures first: a bad results file fails before any work
         from .hub import card_records
 

@@ -120,7 +120,8 @@ def example_inputs(model: Any, batch: int, seed: int = 0
             torch.randint(1, vocab, (batch, ctx_len), generator=g))
 
 
-def _require_exporter() -> None:
+def require_exporter() -> None:
+    """Raise one error naming the missing packages unless onnx and onnxscript import."""
     missing = []
     for name in ("onnx", "onnxscript"):
         try:
@@ -165,7 +166,7 @@ def export_onnx(model: Any, out_dir: str | os.PathLike, model_config: dict[str, 
     ``out_dir``; returns the written paths by name."""
     from .hub import write_config_files, write_json
 
-    _require_exporter()
+    require_exporter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     was_training = model.training
@@ -259,5 +260,5 @@ def export_onnx_folder(state: dict[str, torch.Tensor], config: str, out: Path,
 
 
 __all__ = ["IMAGE_FILE", "TEXT_FILE", "ONNX_CONFIG_FILE", "ImageEncoder", "TextEncoder",
-           "export_decompositions", "export_module", "export_onnx", "export_onnx_folder",
+           "export_decompositions", "export_module", "require_exporter", "export_onnx", "export_onnx_folder",
            "verify_onnx", "model_from_state", "max_relative_difference", "example_inputs"]

@@ -246,18 +246,17 @@ def test_missing_folder_is_one_error(tmp_path):
 
 
 def test_cli_without_onnx_package_is_one_line(tmp_path):
-    weights = tmp_path / "tiny.pt"
-    torch.save(_tiny_model().state_dict(), weights)
     code = ("import sys; sys.modules['onnxscript'] = None\n"
             "from rwkv_clip.errors import run_cli\n"
             "from rwkv_clip.export import main\n"
             "sys.exit(run_cli(lambda: main(sys.argv[1:]), prog='rwkv_clip.export'))\n")
-    r = subprocess.run([sys.executable, "-c", code, str(weights), "--format", "onnx",
-                        "--output", str(tmp_path / "out")], cwd=REPO, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "weights.pt"), "--format",
+                        "onnx", "--output", str(tmp_path / "out")], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs onnxscript" in lines[0], r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -265,16 +264,15 @@ def test_cli_without_onnx_package_is_one_line(tmp_path):
     (["--format", "onnx", "--output", "x.onnx"], "writes a folder"),
     (["--format", "safetensors", "--output", "x.pt"], "writes a .safetensors file"),
     (["out.bin"], "expected a .pt or .safetensors file name"),
+    (["a.pt", "--output", "b.pt"], "output given twice"),
 ])
 def test_cli_output_errors(tmp_path, argv, needle):
-    weights = tmp_path / "tiny.pt"
-    torch.save(_tiny_model().state_dict(), weights)
-    r = subprocess.run([sys.executable, "-m", "rwkv_clip.export", str(weights), *argv],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0], r.stderr
+    """Checked before the checkpoint is read (it does not exist here)."""
+    from rwkv_clip.errors import RWKVCLIPError
+    from rwkv_clip.export import main
+
+    with pytest.raises(RWKVCLIPError, match=needle):
+        main([str(tmp_path / "missing.pt"), *argv])
 
 
 @pytest.mark.slow
