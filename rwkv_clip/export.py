@@ -15,7 +15,6 @@ parameter count and the sha256 of the written file.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 from collections.abc import Sequence
@@ -23,9 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint_files import save_state_dict
 from .errors import CheckpointError, ConfigError, run_cli
-
-DDP_PREFIX = "module."
 
 
 def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None
@@ -53,42 +51,6 @@ def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None
     check_state_dict(model, state, weights.label, hint=lambda: fitting_config_hint(state))
     expected = model.state_dict()
     return {k: state[k].detach().to(expected[k].dtype).contiguous() for k in expected}, config
-
-
-def save_state_dict(state: dict[str, torch.Tensor], out: str | os.PathLike,
-                    ddp_prefix: bool = False) -> str:
-    """Write ``state`` to ``out`` (``.safetensors`` or a ``torch.save`` file); returns
-    the file's sha256."""
-    out = Path(out)
-    if ddp_prefix:
-        state = {DDP_PREFIX + k: v for k, v in state.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    if out.suffix.lower() == ".safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            raise CheckpointError("writing .safetensors needs the safetensors package "
-                                  "(pip install safetensors)") from None
-        # safetensors refuses tensors that share storage: give each its own
-        save_file({k: v.clone() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-        # safetensors writes its file 0600; a file to publish gets a new file's usual mode
-        # (0644 under the common umask 022), as torch.save's .pt does
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-    else:
-        torch.save(state, tmp)
-    os.replace(tmp, out)
-    return file_sha256(out)
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 FORMATS = ("pt", "safetensors", "onnx", "hub")

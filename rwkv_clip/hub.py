@@ -80,7 +80,7 @@ def write_config_files(out: Path, model_config: Mapping[str, Any], size: int) ->
 
 def write_weights(state: Mapping[str, torch.Tensor], path: Path) -> Path:
     """``state`` as safetensors at ``path`` (safetensors' own writer makes files 0600)."""
-    from .export import save_state_dict
+    from .checkpoint_files import save_state_dict
 
     save_state_dict(dict(state), path)
     os.chmod(path, FILE_MODE)
