@@ -141,7 +141,16 @@ def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     return device
 
 
-def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
+DEFAULT_TIMEOUT_MINUTES = 10.0  # how long a collective waits for a stuck rank (--dist-timeout)
+# NCCL: a failed or timed-out collective aborts the communicators and raises in Python
+# ("clean up only"), so rwkv_clip.faults can name the lost rank and exit with status 3.
+# torchrun's default 1 tears the process down from the watchdog without that line; any
+# other value the user sets is kept.
+NCCL_ASYNC_ERROR_HANDLING = "2"
+
+
+def init_distributed(device: str = "auto",
+                     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> DistInfo:
     """Read the launch environment, pick the device, start the process group if the job
     has more than one process, and return this process's :class:`DistInfo`."""
     launcher, rank, local_rank, world_size = launch_environment()
@@ -153,6 +162,9 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Dis
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if launcher == "slurm":
             _slurm_rendezvous(os.environ)
+        if backend == "nccl" and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                "1") == "1":
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                     timeout=timedelta(minutes=timeout_minutes),
