@@ -22,11 +22,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 
-from .distributed import DEFAULT_TIMEOUT_MINUTES, DistInfo
+from .distributed import DEFAULT_TIMEOUT_MINUTES, DistInfo, restart_count, restarts_left
 from .errors import RWKVCLIPError
 
 EXIT_LOST_RANK = 3
@@ -52,24 +52,6 @@ def silence_limit(timeout: float) -> float:
     return max(3.0, min(SILENCE_LIMIT, timeout / 2))
 
 
-def restart_count(environ: Mapping[str, str] | None = None) -> int:
-    """How many times torchrun has restarted this job (``TORCHELASTIC_RESTART_COUNT``)."""
-    env = os.environ if environ is None else environ
-    try:
-        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    except ValueError:
-        return 0
-
-
-def restarts_left(environ: Mapping[str, str] | None = None) -> int:
-    env = os.environ if environ is None else environ
-    try:
-        total = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    except ValueError:
-        return 0
-    return max(0, total - restart_count(env))
-
-
 def format_ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
 
@@ -90,6 +72,7 @@ class PeerWatch:
         self._once = threading.Lock()
         self._closed = threading.Event()
         self._store = None
+        self._store_lost = False  # after one failed request the store is left alone
         self._store_host = ""
         self._thread: threading.Thread | None = None
         if info.distributed:
@@ -154,6 +137,7 @@ class PeerWatch:
             except Exception as exc:  # the store is gone with the rank that hosts it
                 if self._closed.is_set():
                     return
+                self._store_lost = True
                 self.stop_for_lost_peer(exc)
 
     # ------------------------------------------------------------------ the exit
@@ -163,6 +147,8 @@ class PeerWatch:
         if self._store is None:
             return "lost a peer rank"
         try:
+            if self._store_lost:
+                raise ConnectionError(self._store_host)
             if self._store.check(["lost"]):
                 return self._store.get("lost").decode()
             me = self.info.rank
@@ -190,6 +176,7 @@ class PeerWatch:
             self._store.set("lost", who)
             return who
         except Exception:  # the store went with its host
+            self._store_lost = True
             if self.info.launcher == "slurm":
                 return "lost rank 0 (it hosts the rendezvous store)"
             return f"lost the rendezvous store at {self._store_host} (its node is gone)"
@@ -239,7 +226,7 @@ class PeerWatch:
     def mark(self, why: str) -> None:
         """Tell the peers why this rank goes: ``done``, ``error``, ``interrupted`` or
         ``peer`` (it stops for a lost peer)."""
-        if self._store is None:
+        if self._store is None or self._store_lost:
             return
         try:
             if not self._store.check([f"left/{self.info.rank}"]):
