@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -113,9 +114,11 @@ def checkpoints_load(out: Path) -> list[str]:
     return names
 
 
-def check_lost_line(text: str, lost: int, killed_at: int, out: Path, how: str) -> None:
+def check_lost_line(text: str, lost: int, killed_at: int, out: Path, how: str,
+                    pruned: bool = False) -> None:
     """The survivor's one line: the lost rank, a step at or after the kill, the newest
-    complete checkpoint (a file that loads, or none yet) and how to go on."""
+    complete checkpoint (a file that loads, unless a later run pruned it; or none yet)
+    and how to go on."""
     lines = LINE.findall(text)
     assert len(lines) == 1, text[-3000:]
     rank, step, checkpoint, rest = lines[0]
@@ -125,7 +128,8 @@ def check_lost_line(text: str, lost: int, killed_at: int, out: Path, how: str) -
         assert checkpoint == "none yet"
     else:
         assert Path(checkpoint) == out / "checkpoints" / f"step_{saved}.pt", lines
-        assert torch.load(checkpoint, weights_only=True)["step"] == saved
+        if not pruned:
+            assert torch.load(checkpoint, weights_only=True)["step"] == saved
     assert rest == how
 
 
@@ -211,7 +215,8 @@ def test_torchrun_max_restarts_recovers_by_itself(run_setup):
     os.kill(worker_pids(run)[1], signal.SIGKILL)
     assert run.wait(timeout=600) == 0, log.read_text()[-3000:]
     text = log.read_text()
-    check_lost_line(text, 1, step, out, "torchrun restarts the job, which resumes by itself")
+    check_lost_line(text, 1, step, out, "torchrun restarts the job, which resumes by itself",
+                    pruned=True)  # --keep-checkpoints: the restarted run saved 5 more
     assert "torchrun restart 1: resuming as with --resume latest" in text
     assert_same_weights(final_weights(out), reference)
 
@@ -261,3 +266,119 @@ def test_evaluator_lost_rank_writes_no_result(tmp_path):
     assert lines == ["zero_shot.py: error: lost rank 1 while evaluating imagefolder; complete "
                      "results: none; nothing was written for imagefolder"], text[-3000:]
     assert not results.exists() or not any(results.iterdir())  # no result, no score line
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def _store_env(monkeypatch):
+    """A rendezvous store on a free port, as MASTER_ADDR / MASTER_PORT name it."""
+    port = _free_port()
+    server = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,
+                                        wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    return torch.distributed.PrefixStore("rwkv_clip/peers//0/", server), server
+
+
+def _watch(rank: int, world: int):
+    from rwkv_clip.distributed import DistInfo
+    from rwkv_clip.faults import PeerWatch
+    return PeerWatch(DistInfo(rank=rank, world_size=world, backend="gloo"), 600, "train.py")
+
+
+def test_peer_watch_names_the_rank_whose_heartbeat_stopped(monkeypatch):
+    peers, _server = _store_env(monkeypatch)
+    watch = _watch(0, 3)
+    watch.close()  # its heartbeat thread would act on the published loss (exit 3)
+    assert peers.get("left/0").decode() == "done"
+    beating = threading.Event()
+    beating.set()
+
+    def beat():  # rank 1 keeps beating; rank 2 beat once and went silent
+        while beating.is_set():
+            peers.add("beat/1", 1)
+            time.sleep(0.2)
+    peers.add("beat/2", 1)
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        assert watch.identify() == "lost rank 2"
+        # published: the other survivors read the same answer without waiting
+        assert peers.get("lost").decode() == "lost rank 2"
+    finally:
+        beating.clear()
+        thread.join()
+
+
+def test_peer_watch_names_a_peer_that_stopped_with_an_error(monkeypatch):
+    peers, _server = _store_env(monkeypatch)
+    peers.set("left/1", "error")
+    watch = _watch(0, 2)
+    watch.close()
+    assert watch.identify() == "rank 1 stopped with an error (its own message says why)"
+
+
+def test_peer_watch_is_inert_in_one_process():
+    from rwkv_clip.distributed import DistInfo
+    from rwkv_clip.faults import PeerWatch
+    watch = PeerWatch(DistInfo(), 600, "train.py")
+    watch.check(RuntimeError("gloo: Connection reset by peer"))  # returns: nothing to stop
+    watch.close()
+
+
+def test_collective_failures_are_told_from_own_errors():
+    from rwkv_clip.errors import DataError
+    from rwkv_clip.faults import is_collective_failure
+    assert is_collective_failure(RuntimeError(
+        "[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:35230: Connection reset by peer"))
+    assert is_collective_failure(torch.distributed.DistBackendError("NCCL communicator aborted"))
+    assert not is_collective_failure(ValueError("bad shape"))
+    assert not is_collective_failure(DataError("truncated record", path="x.rec"))
+
+
+def test_newest_checkpoint_is_the_file_latest_links(tmp_path):
+    from rwkv_clip.train.checkpoint import newest_checkpoint, save_checkpoint
+    assert newest_checkpoint(tmp_path) is None
+    save_checkpoint({"step": 3}, tmp_path, "step_3.pt")
+    save_checkpoint({"step": 6}, tmp_path, "step_6.pt")
+    assert newest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_6.pt"
+
+
+def test_a_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path, monkeypatch):
+    import logging
+    from types import SimpleNamespace
+
+    from rwkv_clip.train.checkpoint import save_checkpoint
+    from rwkv_clip.train.loop import lost_rank_outcome, resume_after_restart
+    log = logging.getLogger("test_lost_rank")
+    args = SimpleNamespace(output=str(tmp_path), resume=None, pretrained="w.pt")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    resume_after_restart(args, log)
+    assert args.resume is None  # the first attempt starts as told
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    resume_after_restart(args, log)
+    assert args.resume == "latest" and args.pretrained == "w.pt"  # nothing saved yet
+    assert lost_rank_outcome(tmp_path) == "last checkpoint: none yet; resume with --resume latest"
+    save_checkpoint({"step": 4}, tmp_path, "step_4.pt")
+    args = SimpleNamespace(output=str(tmp_path), resume="old/step_2.pt", pretrained=None)
+    resume_after_restart(args, log)
+    assert args.resume == "latest"  # the run saved since: its newest checkpoint wins
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert lost_rank_outcome(tmp_path) == (
+        f"last checkpoint: {tmp_path / 'checkpoints' / 'step_4.pt'}; torchrun restarts the "
+        "job, which resumes by itself")
+
+
+def test_dist_timeout_must_be_positive(capsys):
+    from rwkv_clip.eval.cli import zero_shot_main
+    from rwkv_clip.train.args import parse_args
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--dist-timeout", "0"])
+    assert stopped.value.code == 2
+    assert zero_shot_main(["--dist-timeout", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "train.py: error: --dist-timeout must be > 0 seconds, got 0.0",
+        "zero_shot.py: error: --dist-timeout must be > 0 seconds, got -1.0"]
