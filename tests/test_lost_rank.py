@@ -185,6 +185,31 @@ def test_slurm_lost_rank_stops_the_survivor_and_resume_ends_as_uninterrupted(run
 
 
 @pytest.mark.slow
+def test_a_silent_rank_is_noticed_by_its_heartbeat(run_setup):
+    """SIGSTOP: the peer's sockets stay open, so the collective blocks (as NCCL's do for a
+    dead peer); the heartbeat names the rank after half the --dist-timeout, before the
+    timeout itself."""
+    tmp, data, _ = run_setup
+    out, logs = tmp / "silent", tmp / "silent_logs"
+    procs = start_slurm(tiny_argv(out, data, *EXTRA, "--dist-timeout", "40"), logs)
+    step = _kill_step()
+    wait_for_step(out, step, procs)
+    procs[1].send_signal(signal.SIGSTOP)
+    stopped = time.time()
+    try:
+        rc = procs[0].wait(timeout=120)
+        took = time.time() - stopped
+    finally:
+        procs[1].kill()
+        procs[1].wait(timeout=60)
+    text = (logs / "rank0.txt").read_text()
+    assert rc == EXIT_LOST_RANK, text[-3000:]
+    assert 15 <= took < 40, took  # the silence limit: min(30 s, 40 s / 2) = 20 s
+    assert "Traceback" not in text, text[-3000:]
+    check_lost_line(text, 1, step, out, "resume with --resume latest")
+
+
+@pytest.mark.slow
 def test_torchrun_lost_rank_stops_the_survivor_with_status_3(run_setup):
     tmp, data, _ = run_setup
     out, log = tmp / "torchrun", tmp / "torchrun.txt"
