@@ -124,14 +124,20 @@ def check_lost_line(text: str, lost: int, killed_at: int, out: Path, how: str,
     assert len(lines) == 1, text[-3000:]
     rank, step, checkpoint, rest = lines[0]
     assert int(rank) == lost and killed_at <= int(step) < TOTAL_STEPS, lines
-    saved, name = int(step) // 3 * 3, f"step_{int(step) // 3 * 3}.pt"
-    if 8 <= int(step) and saved < 8:  # the end of the first epoch came after
-        saved, name = 8, "epoch_1.pt"
-    if saved == 0:
-        assert checkpoint == "none yet"
+    # a save follows its step (and a collective starts it): the newest save at or before
+    # the step, or the one before it when the peer was lost between the step and its save
+    saves = [(0, "none yet")] + sorted([(n, f"step_{n}.pt") for n in range(3, TOTAL_STEPS, 3)]
+                                       + [(8, "epoch_1.pt")])
+    done = [save for save in saves if save[0] <= int(step)]
+    expected = {done[-1], [save for save in saves if save[0] < int(step)][-1]}
+    named = {name for _, name in expected}
+    if checkpoint == "none yet":
+        assert "none yet" in named, lines
     else:
-        assert Path(checkpoint) == out / "checkpoints" / name, lines
+        assert Path(checkpoint).parent == out / "checkpoints", lines
+        assert Path(checkpoint).name in named, (lines, named)
         if not pruned:
+            saved = dict((name, n) for n, name in saves)[Path(checkpoint).name]
             assert torch.load(checkpoint, weights_only=True)["step"] == saved
     assert rest == how
 
