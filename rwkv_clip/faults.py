@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 from .distributed import DEFAULT_TIMEOUT_MINUTES, DistInfo, restart_count, restarts_left
 from .errors import RWKVCLIPError
@@ -71,7 +72,7 @@ class PeerWatch:
         self.log: logging.Logger | None = None
         self._once = threading.Lock()
         self._closed = threading.Event()
-        self._store = None
+        self._store: Any = None  # a PrefixStore over this job's TCPStore
         self._store_lost = False  # after one failed request the store is left alone
         self._store_host = ""
         self._thread: threading.Thread | None = None
@@ -215,7 +216,7 @@ class PeerWatch:
         if self.log is None:
             return
         for handler in self.log.handlers:
-            if isinstance(handler, logging.FileHandler):
+            if isinstance(handler, logging.FileHandler) and handler.stream is not None:
                 try:
                     handler.stream.write(line + "\n")
                     handler.flush()
@@ -247,12 +248,11 @@ class PeerWatch:
     def __enter__(self) -> PeerWatch:
         return self
 
-    def __exit__(self, kind, exc, tb) -> bool:
+    def __exit__(self, kind, exc, tb) -> None:
         if isinstance(exc, Exception):
             self.check(exc)
         self.close("done" if exc is None else "error" if isinstance(exc, Exception)
                    else "interrupted")
-        return False
 
 
 def is_collective_failure(exc: BaseException) -> bool:
