@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,8 +107,10 @@ def _read_safetensors(path: Path, map_location=None) -> dict[str, torch.Tensor]:
                               "Expected a safetensors file of RWKV-CLIP's state dict") from None
 
 
-def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """Raise one error listing every missing, unexpected and mis-shaped key."""
+def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str,
+                     hint: Callable[[], str] | None = None) -> None:
+    """Raise one error listing every missing, unexpected and mis-shaped key; ``hint`` (called
+    only on a mismatch) adds the fix to its first line."""
     expected = model.state_dict()
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
@@ -115,12 +118,8 @@ def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
               for k, v in state_dict.items() if k in expected and v.shape != expected[k].shape]
     if not (missing or unexpected or shapes):
         return
-    from .factory import infer_config  # the shipped configs; factory imports this module
-
-    fits = infer_config(state_dict)
-    hint = (f"; its shapes fit model_config/{fits}.json (pass --config {fits}, or "
-            f"load_model_configs({fits!r}) in Python)" if fits else "")
-    lines = [f"checkpoint {source} does not fit this model config{hint}"]
+    hint_text = hint() if hint is not None else ""
+    lines = [f"checkpoint {source} does not fit this model config{hint_text}"]
     for title, items in (("missing keys", missing), ("unexpected keys", unexpected),
                          ("shape mismatches", shapes)):
         if items:
@@ -141,9 +140,10 @@ class StateDict:
     config: str | None = None  # the shipped config it was published for, if known
 
 
-def load_checked(model: nn.Module, weights: StateDict) -> nn.Module:
+def load_checked(model: nn.Module, weights: StateDict,
+                 hint: Callable[[], str] | None = None) -> nn.Module:
     """Check ``weights`` against ``model`` (one error listing every difference) and load
     them strictly; values land on the model's device, in its dtypes."""
-    check_state_dict(model, weights.tensors, weights.label)
+    check_state_dict(model, weights.tensors, weights.label, hint)
     model.load_state_dict(weights.tensors, strict=True)
     return model
