@@ -137,14 +137,14 @@ def test_train_pretrained_file_of_another_config_names_the_config_it_fits(tmp_pa
     from rwkv_clip.errors import CheckpointError
     from rwkv_clip.model import load_model_weight
     from rwkv_clip.train.args import parse_args
-    from rwkv_clip.train.loop import build_model
+    from rwkv_clip.train.loop import build_train_model
     model = create_RWKV_Model(load_model_configs("RWKV_CLIP_tiny"))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()},
               str(tmp_path / "model.safetensors"))
     args = parse_args(["--pretrained", str(tmp_path / "model.safetensors"), "--device", "cpu"])
     from rwkv_clip.distributed import DistInfo
     with pytest.raises(CheckpointError) as info:
-        build_model(args, DistInfo(), print)
+        build_train_model(args, DistInfo(), print)
     first = str(info.value).splitlines()[0]
     assert "model.safetensors" in first and "fit model_config/RWKV_CLIP_tiny.json" in first
     assert "--config RWKV_CLIP_tiny" in first
@@ -178,10 +178,10 @@ def test_planner_optimizer_step_has_no_temporaries():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from rwkv_clip.memory import build_model, training_peak
+    from rwkv_clip.memory import build_measured_model, training_peak
     from rwkv_clip.memory.measure import trainer_defaults
     from rwkv_clip.train.loop import build_optimizer
-    args, model = build_model("RWKV_CLIP_tiny", "cpu", False, None)
+    args, model = build_measured_model("RWKV_CLIP_tiny", "cpu", False, None)
     optimizer = build_optimizer(model, trainer_defaults())
     for p in model.parameters():
         p.grad = torch.randn_like(p)
