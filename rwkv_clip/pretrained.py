@@ -231,7 +231,8 @@ def infer_config(state_dict: Mapping[str, torch.Tensor],
     from .model import create_RWKV_Model
 
     overrides = dict(overrides or {})
-    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+    # SigLIP's logit_bias is the same for every config (check_state_dict adds it)
+    shapes = {k: tuple(v.shape) for k, v in state_dict.items() if k != "logit_bias"}
     matches = []
     for name in available_configs():
         params = read_config_json(name)[0]
