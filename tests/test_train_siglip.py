@@ -232,3 +232,19 @@ def test_siglip_learns_on_the_builtin_set(tmp_path):
                               "--tensorboard", "False", "--zero-shot-every", "0"]))
     assert result["zero_shot"]["acc1"] >= 0.20, result["zero_shot"]
     assert float(result["model"].logit_bias) != -10.0
+
+
+def test_the_commands_of_docs_losses_parse(repo_root):
+    """Every train.py command docs/losses.md shows is a valid command line (the runs
+    themselves are the slow tests above and the main job)."""
+    import re
+    import shlex
+
+    page = (repo_root / "docs" / "losses.md").read_text()
+    lines = [line.split("#")[0].strip()
+             for block in re.findall(r"^```bash\n(.*?)^```", page, flags=re.S | re.M)
+             for line in block.splitlines()]
+    commands = [shlex.split(line)[2:] for line in lines if line.startswith("python train.py")]
+    assert len(commands) >= 4
+    for argv in commands:
+        parse_args(argv)

@@ -305,6 +305,9 @@ def warn_ignored(args: argparse.Namespace, log=print) -> None:
                         ("--drop-path", args.drop_path)):
         if value is not None:
             log(f"note: {flag} is accepted for compatibility and ignored, as in the original")
+    if getattr(args, "siglip", False) and (args.local_loss or args.gather_with_grad):
+        log("note: --local-loss and --gather-with-grad belong to the CLIP loss and are "
+            "ignored with --siglip (see --siglip-dist-impl)")
 
 
 # ----------------------------------------------------------------------------- resume, retention
