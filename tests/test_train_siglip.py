@@ -7,14 +7,13 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from train_util import TINY_CONFIG, make_tiny_rec, tiny_argv, tiny_model
 
 from rwkv_clip import create_RWKV_Model, load_model_configs
 from rwkv_clip.errors import ResumeError
 from rwkv_clip.eval.zeroshot import LOGIT_SCALE, class_probabilities
-from rwkv_clip.loss import ClipLoss, SigLipLoss
+from rwkv_clip.loss import SigLipLoss
 from rwkv_clip.train import checkpoint as ckpt_io
 from rwkv_clip.train import main, parse_args
 from rwkv_clip.train.accumulation import caption_generator, make_micro_batches, train_step
