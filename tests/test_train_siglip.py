@@ -58,8 +58,8 @@ def test_siglip_weights_load_infer_and_export(tmp_path):
     assert infer_config(state) == "RWKV_CLIP_tiny"
     for model in (create_RWKV_Model(load_model_configs(TINY_CONFIG), model_weight_path=path),
                   create_model("RWKV_CLIP_tiny", pretrained=str(path))):
-        assert float(model.logit_bias) == -7.5
-        assert float(model.logit_scale) == pytest.approx(math.log(10))
+        assert model.logit_bias.item() == -7.5
+        assert model.logit_scale.item() == pytest.approx(math.log(10))
     exported, config = export_state_dict(path)
     assert config == "RWKV_CLIP_tiny" and float(exported["logit_bias"]) == -7.5
     assert list(exported) == list(siglip.state_dict())
@@ -217,9 +217,9 @@ def test_siglip_run_resumes_exactly_and_starts_from_clip_weights(tmp_path, tiny_
     tuned = main(parse_args(tiny_argv(tmp_path / "tuned", tiny_rec, "--max-steps", "1",
                                       "--siglip", "--pretrained", str(clip_ckpt),
                                       "--lr", "1e-9")))
-    assert float(tuned["model"].logit_bias) == pytest.approx(-10.0, abs=1e-3)
-    assert float(tuned["model"].logit_scale) == pytest.approx(
-        float(clip["model"].logit_scale), abs=1e-3)  # the CLIP weights' scale, not ln 10
+    assert tuned["model"].logit_bias.item() == pytest.approx(-10.0, abs=1e-3)
+    assert tuned["model"].logit_scale.item() == pytest.approx(
+        clip["model"].logit_scale.item(), abs=1e-3)  # the CLIP weights' scale, not ln 10
 
 
 @pytest.mark.slow
@@ -231,7 +231,7 @@ def test_siglip_learns_on_the_builtin_set(tmp_path):
                               "--device", "cpu", "--progress", "False",
                               "--tensorboard", "False", "--zero-shot-every", "0"]))
     assert result["zero_shot"]["acc1"] >= 0.10, result["zero_shot"]
-    assert float(result["model"].logit_bias) != -10.0
+    assert result["model"].logit_bias.item() != -10.0
 
 
 def test_the_commands_of_docs_losses_parse(repo_root):
