@@ -29,12 +29,14 @@ def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None
     """``(state dict in the model's key order and dtypes, config name or path)`` of
     ``checkpoint`` (a file or a pretrained name); the config is inferred from the
     parameter shapes unless given."""
+    from .checkpoint_files import check_state_dict
     from .config import load_model_configs
-    from .model import check_state_dict, create_RWKV_Model, read_state_dict
-    from .pretrained import infer_config, model_config, resolve_pretrained
+    from .factory import infer_config
+    from .model import create_RWKV_Model
+    from .pretrained import load_weights, model_config
 
-    weights = resolve_pretrained(checkpoint)
-    state = read_state_dict(weights.path)
+    weights = load_weights(checkpoint)
+    state = weights.tensors
     if config is not None:
         config = model_config(config)
     else:
@@ -66,6 +68,11 @@ def save_state_dict(state: dict[str, torch.Tensor], out: str | os.PathLike,
                                   "(pip install safetensors)") from None
         # safetensors refuses tensors that share storage: give each its own
         save_file({k: v.clone() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+        # safetensors writes its file 0600; a file to publish gets a new file's usual mode
+        # (0644 under the common umask 022), as torch.save's .pt does
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
     else:
         torch.save(state, tmp)
     os.replace(tmp, out)
@@ -80,7 +87,7 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_export_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rwkv_clip.export",
         description="Write the model's plain state dict (the original's key names and "
@@ -99,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    opts = build_parser().parse_args(argv)
+    opts = build_export_parser().parse_args(argv)
     out = Path(opts.out)
     if out.suffix.lower() not in (".pt", ".pth", ".safetensors"):
         raise CheckpointError(f"output {out}: expected a .pt or .safetensors file name")

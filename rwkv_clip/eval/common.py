@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from ..errors import ImageReadError
 from ..precision import get_precision
-from .datasets import ImageReadError
 from .distributed import DistInfo, current, fail_together, gather_rows, shard_range
 
 
@@ -20,7 +21,7 @@ def progress(iterable, desc: str, total: int | None = None, info: DistInfo | Non
     (as the training bar), so redirected logs stay clean."""
     from tqdm import tqdm
 
-    show = (info or current()).is_main
+    show = (info or current()).is_master
     return tqdm(iterable, desc=desc, total=total, unit="batch", leave=False, file=sys.stderr,
                 dynamic_ncols=True, disable=None if show else True)
 
@@ -60,7 +61,7 @@ def _collate(batch):
 
 
 @torch.no_grad()
-def encode_image_shard(model, dataset: Dataset, device: torch.device, batch_size: int,
+def encode_image_shard(model, dataset: Any, device: torch.device, batch_size: int,
                        workers: int = 0, precision: str = "fp32",
                        describe: Callable[[int], str] | None = None,
                        fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -98,7 +99,7 @@ def _feature_width(model) -> int:
 
 
 @torch.no_grad()
-def encode_images_gathered(model, dataset: Dataset, device: torch.device, batch_size: int,
+def encode_images_gathered(model, dataset: Any, device: torch.device, batch_size: int,
                            workers: int = 0, precision: str = "fp32",
                            describe: Callable[[int], str] | None = None,
                            fn: Callable[[torch.Tensor], torch.Tensor] | None = None,

@@ -15,10 +15,8 @@ Modes:
 * ``mean``: loss of each micro-batch on its own, divided by K, backward each (cheaper:
   one forward per micro-batch, but only m negatives per sample).
 
-:class:`MicroBatchLosses` gives the loss of each micro-batch to backpropagate; the
-training loop (``loop.train``) runs the K backward passes with DDP's gradient sync on the
-last one only, then clips and steps once. :func:`train_step` is the same step in one
-process (tests, memory planner).
+:func:`train_step` is the one optimizer step the trainer, the memory planner and the
+tests run.
 """
 from __future__ import annotations
 
@@ -26,21 +24,21 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import RWKVCLIPError
+from ..checkpoint_files import unwrap_model
+from ..distributed import DistInfo, any_rank_true
+from ..errors import NonFiniteLossError
 from ..tokenizer import fit_context_length
+from .rng import capture_rng, restore_rng
 
 CAPTION_LEN = 77
 NUM_CAPTIONS = 3
-
-
-class NonFiniteLossError(RWKVCLIPError, FloatingPointError):
-    """The loss became NaN or Inf; raised before the optimizer step."""
 
 
 # ----------------------------------------------------------------------------- captions
@@ -105,20 +103,6 @@ def make_micro_batches(images: Sequence[torch.Tensor], tokens: Sequence[torch.Te
             for im, tx in zip(images, texts, strict=True)]
 
 
-# ----------------------------------------------------------------------------- RNG states
-
-def get_rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def set_rng_state(state, device: torch.device) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-
-
 # ----------------------------------------------------------------------------- the step
 
 def _features(model: nn.Module, mb: MicroBatch, autocast: Callable):
@@ -135,10 +119,6 @@ def _features(model: nn.Module, mb: MicroBatch, autocast: Callable):
 def _head(logit_scale: torch.Tensor, logit_bias: torch.Tensor | None) -> tuple:
     """The loss's trailing arguments: ``(scale,)`` for CLIP, ``(scale, bias)`` for SigLIP."""
     return (logit_scale,) if logit_bias is None else (logit_scale, logit_bias)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") else model
 
 
 class MicroBatchLosses:
@@ -165,14 +145,14 @@ class MicroBatchLosses:
         self.logit_scale: float = float("nan")
         self.logit_bias: float | None = None  # SigLIP models only
         if self.exact:
-            self._cache(unwrap(model))
+            self._cache(unwrap_model(model))
 
     def _cache(self, inner: nn.Module) -> None:
         device = self.micro_batches[0].images.device
         self.image, self.text, self.rng = [], [], []
         with torch.no_grad():
             for mb in self.micro_batches:
-                self.rng.append(get_rng_state(device))
+                self.rng.append(capture_rng(device, host=False))
                 image_f, text_f, _, _ = _features(inner, mb, self.autocast)
                 self.image.append(image_f)
                 self.text.append(text_f)
@@ -180,7 +160,7 @@ class MicroBatchLosses:
     def loss(self, model: nn.Module, j: int) -> torch.Tensor:
         mb = self.micro_batches[j]
         if self.exact:
-            set_rng_state(self.rng[j], mb.images.device)  # the cached pass's dropout masks
+            restore_rng(self.rng[j], mb.images.device)  # the cached pass's dropout masks
         image_f, text_f, logit_scale, logit_bias = _features(model, mb, self.autocast)
         self.logit_scale = float(logit_scale.detach())
         if logit_bias is not None:
@@ -215,36 +195,49 @@ class StepResult:
     grad_norm: float | None     # total gradient norm before clipping (None: no clipping)
     logit_scale: float          # exp(logit_scale) used in the forward
     samples: int                # samples in this step on this rank
+    logit_bias: float | None = None  # SigLIP's logit_bias used in the forward
 
 
 def clamp_logit_scale(model: nn.Module) -> None:
     """CLIP's temperature bound: exp(logit_scale) stays within [1, 100]."""
     with torch.no_grad():
-        unwrap(model).logit_scale.clamp_(0, math.log(100))
+        cast(torch.Tensor, unwrap_model(model).logit_scale).clamp_(0, math.log(100))
 
 
 def train_step(model: nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: nn.Module,
                optimizer: torch.optim.Optimizer, *, scaler=None,
                autocast: Callable = contextlib.nullcontext, mode: str = "exact",
-               clip_grad_norm: float | None = 1.0) -> StepResult:
-    """One optimizer step in one process, in the order the training loop runs it
-    (``loop.train``, which adds DDP's gradient sync and the cross-rank finite check):
-    K backward passes, unscale, clip, optimizer (scaler) step, logit-scale clamp.
-    For the memory planner and the tests; raises :class:`NonFiniteLossError` before the
-    parameters change."""
-    optimizer.zero_grad(set_to_none=True)
+               clip_grad_norm: float | None = 1.0, wrapped: Callable | None = None,
+               info: DistInfo | None = None) -> StepResult:
+    """One optimizer step over K micro-batches: K forward and backward passes, the
+    finite-loss check, unscale, clip, optimizer (scaler) step, gradients cleared,
+    logit-scale clamp.
+
+    ``model`` is the plain model; ``wrapped`` (default ``model``) is what runs the
+    forward passes: DDP and/or torch.compile around it. DDP all-reduces the gradients on
+    the last micro-batch only. Under a process group (``info``) every rank stops when any
+    rank's loss is not finite. Raises :class:`NonFiniteLossError` before the parameters
+    change."""
+    runner: Any = model if wrapped is None else wrapped
+    ddp = hasattr(runner, "require_backward_grad_sync")
     micro = MicroBatchLosses(model, micro_batches, loss_fn, autocast, mode)
     for j in range(micro.k):
-        loss = micro.loss(model, j)
+        if ddp:
+            runner.require_backward_grad_sync = j == micro.k - 1
+        loss = micro.loss(runner, j)
         (scaler.scale(loss) if scaler is not None else loss).backward()
-    if not micro.finite:
+    finite = micro.finite
+    if any_rank_true(not finite, info) if info is not None else not finite:
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLossError(f"loss is not finite ({micro.value})")
+        raise NonFiniteLossError(f"loss is not finite ({micro.value}) on "
+                                 f"{'another rank' if finite else 'this rank'}. Parameters "
+                                 "were not updated")
     grad_norm = unscale_and_clip(model, optimizer, scaler, clip_grad_norm)
     optimizer_step(optimizer, scaler)
+    optimizer.zero_grad(set_to_none=True)
     clamp_logit_scale(model)
     return StepResult(loss=micro.value, grad_norm=grad_norm, logit_scale=micro.logit_scale,
-                      samples=micro.samples)
+                      samples=micro.samples, logit_bias=micro.logit_bias)
 
 
 def unscale_and_clip(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
@@ -255,7 +248,7 @@ def unscale_and_clip(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
         scaler.unscale_(optimizer)
     if max_norm is None or max_norm <= 0:
         return None
-    params = [p for p in unwrap(model).parameters() if p.requires_grad]
+    params = [p for p in unwrap_model(model).parameters() if p.requires_grad]
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 
