@@ -47,7 +47,7 @@ def test_clip_keeps_the_original_keys_and_siglip_adds_logit_bias():
 
 def test_siglip_weights_load_infer_and_export(tmp_path):
     from rwkv_clip.export import export_state_dict
-    from rwkv_clip.pretrained import create_model, infer_config
+    from rwkv_clip.factory import create_model, infer_config
 
     siglip = _siglip_model()
     with torch.no_grad():
