@@ -3,8 +3,10 @@
 keys, and the strict check of a state dict against a model."""
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,8 +108,10 @@ def _read_safetensors(path: Path, map_location=None) -> dict[str, torch.Tensor]:
                               "Expected a safetensors file of RWKV-CLIP's state dict") from None
 
 
-def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """Raise one error listing every missing, unexpected and mis-shaped key.
+def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str,
+                     hint: Callable[[], str] | None = None) -> None:
+    """Raise one error listing every missing, unexpected and mis-shaped key; ``hint`` (called
+    only on a mismatch) adds the fix to its first line.
 
     Weights of a SigLIP-trained model (with ``logit_bias``) give a model without one that
     parameter first, so every loader takes CLIP and SigLIP checkpoints alike."""
@@ -120,12 +124,8 @@ def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
               for k, v in state_dict.items() if k in expected and v.shape != expected[k].shape]
     if not (missing or unexpected or shapes):
         return
-    from .factory import infer_config  # the shipped configs; factory imports this module
-
-    fits = infer_config(state_dict)
-    hint = (f"; its shapes fit model_config/{fits}.json (pass --config {fits}, or "
-            f"load_model_configs({fits!r}) in Python)" if fits else "")
-    lines = [f"checkpoint {source} does not fit this model config{hint}"]
+    hint_text = hint() if hint is not None else ""
+    lines = [f"checkpoint {source} does not fit this model config{hint_text}"]
     for title, items in (("missing keys", missing), ("unexpected keys", unexpected),
                          ("shape mismatches", shapes)):
         if items:
@@ -146,9 +146,49 @@ class StateDict:
     config: str | None = None  # the shipped config it was published for, if known
 
 
-def load_checked(model: nn.Module, weights: StateDict) -> nn.Module:
+def load_checked(model: nn.Module, weights: StateDict,
+                 hint: Callable[[], str] | None = None) -> nn.Module:
     """Check ``weights`` against ``model`` (one error listing every difference) and load
     them strictly; values land on the model's device, in its dtypes."""
-    check_state_dict(model, weights.tensors, weights.label)
+    check_state_dict(model, weights.tensors, weights.label, hint)
     model.load_state_dict(weights.tensors, strict=True)
     return model
+
+
+DDP_PREFIX = "module."
+
+
+def save_state_dict(state: dict[str, torch.Tensor], out: str | os.PathLike,
+                    ddp_prefix: bool = False) -> str:
+    """Write ``state`` to ``out`` (``.safetensors`` or a ``torch.save`` file); returns
+    the file's sha256."""
+    out = Path(out)
+    if ddp_prefix:
+        state = {DDP_PREFIX + k: v for k, v in state.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    if out.suffix.lower() == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise CheckpointError("writing .safetensors needs the safetensors package "
+                                  "(pip install safetensors)") from None
+        # safetensors refuses tensors that share storage: give each its own
+        save_file({k: v.clone() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+        # safetensors writes its file 0600; a file to publish gets a new file's usual mode
+        # (0644 under the common umask 022), as torch.save's .pt does
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+    else:
+        torch.save(state, tmp)
+    os.replace(tmp, out)
+    return file_sha256(out)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

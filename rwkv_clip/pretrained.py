@@ -21,9 +21,7 @@ that fetches it.
 """
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -264,15 +262,6 @@ def load_config_input_size(model_name: str) -> int:
     return int(read_config_json(model_config(model_name))[0]["input_size"])
 
 
-def get_tokenizer(model_name: str) -> Callable[[str | list[str]], torch.Tensor]:
-    """``texts -> (N, ctx_len)`` token ids for ``model_name`` (CLIP's BPE, zero padded)."""
-    from .config import read_config_json
-    from .tokenizer import tokenize
-
-    ctx_len = int(read_config_json(model_config(model_name))[0].get("ctx_len", 77))
-    return functools.partial(tokenize, context_length=ctx_len)
-
-
 __all__ = ["PRETRAINED", "PretrainedCfg", "ResolvedWeights", "list_pretrained", "list_models",
            "model_config", "get_pretrained_cfg", "resolve_pretrained", "download_from_hub",
-           "hub_cache_dir", "load_weights", "load_config_input_size", "get_tokenizer"]
+           "hub_cache_dir", "load_weights", "load_config_input_size"]

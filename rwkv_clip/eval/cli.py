@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from ..config import str2bool
 from ..errors import EvalError, run_cli
+from ..faults import DEFAULT_DIST_TIMEOUT
 from .runner import ARCH_FLAGS, run
 
 DATA_ROOT_ENV = "RWKV_CLIP_DATA_ROOT"
@@ -145,6 +146,11 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available; under torchrun "
                         "each rank uses cuda:LOCAL_RANK)")
+    g.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT,
+                   metavar="SECONDS",
+                   help="under torchrun or srun: how long a collective waits for a stuck "
+                        f"rank before the run stops (default {DEFAULT_DIST_TIMEOUT:.0f}); a "
+                        "lost rank is noticed sooner (docs/faults.md)")
     g.add_argument("--output-dir", default=None, metavar="DIR",
                    help="where <dataset>_<task>.json files go (CLIP_benchmark shape). The "
                         "score line is appended to DIR/zero_shot_scores.txt. An argument "
@@ -182,6 +188,9 @@ def parse_options(argv: Sequence[str] | None = None, retrieval: bool = False
         raise EvalError(f"--batch-size ({opts.batch_size}) and --text-batch-size "
                         f"({opts.text_batch_size}) must be >= 1, --workers ({opts.workers}) "
                         ">= 0")
+    if not opts.dist_timeout > 0:
+        raise EvalError(f"--dist-timeout must be > 0 seconds, got {opts.dist_timeout}")
+    opts.prog = "text_image_retrieval.py" if retrieval else "zero_shot.py"
     if (opts.model_weight and opts.pretrained
             and str(opts.model_weight) != str(opts.pretrained)):
         raise EvalError(f"--model-weight {opts.model_weight} and --pretrained "

@@ -118,15 +118,21 @@ def encode_images_gathered(model, dataset: Any, device: torch.device, batch_size
 
 @torch.no_grad()
 def encode_texts(model, texts: Sequence[str], device: torch.device, batch_size: int,
-                 precision: str = "fp32") -> torch.Tensor:
-    """(len(texts), C) L2-normalised float32 text features."""
-    from ..tokenizer import tokenize
+                 precision: str = "fp32",
+                 tokenizer: Callable[[list[str]], torch.Tensor] | None = None) -> torch.Tensor:
+    """(len(texts), C) L2-normalised float32 text features; ``tokenizer`` defaults to CLIP's
+    BPE at the model's context length."""
+    if tokenizer is None:
+        import functools
 
+        from ..tokenizer import tokenize
+
+        ctx_len = getattr(getattr(model.text_model, "args", None), "ctx_len", 77)
+        tokenizer = functools.partial(tokenize, context_length=ctx_len)
     feats = []
-    ctx_len = getattr(getattr(model.text_model, "args", None), "ctx_len", 77)
     starts = range(0, len(texts), batch_size)
     for start in progress(starts, "encoding texts", total=len(starts)):
-        tokens = tokenize(list(texts[start:start + batch_size]), context_length=ctx_len)
+        tokens = tokenizer(list(texts[start:start + batch_size]))
         with autocast(device, precision):
             f = model.encode_text(tokens.to(device))
         feats.append(F.normalize(f.float(), dim=-1).cpu())

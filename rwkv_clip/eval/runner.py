@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from .. import faults
 from ..config import TOWER_KEYS
 from ..distributed import DistInfo, cleanup_distributed, init_distributed
 from ..errors import EvalError
 from ..factory import build_model, choose_model_args
+from ..faults import DEFAULT_DIST_TIMEOUT
 from ..precision import get_precision
 from ..pretrained import HF_HUB_PREFIX, is_weights_name, load_weights
 from .datasets import PAPER_DATASETS, build_classification_set, canonical_name
@@ -157,14 +159,24 @@ def output_paths(opts) -> tuple[Path, Path]:
 # ------------------------------------------------------------------ main entry
 def run(opts) -> list[dict]:
     """Evaluate every requested set; returns the result records (on every rank)."""
-    info = init_distributed(opts.device or "auto")
-    try:
-        return _run(opts, info)
-    finally:
-        cleanup_distributed(info, synchronize=False)
+    timeout = getattr(opts, "dist_timeout", None) or DEFAULT_DIST_TIMEOUT
+    info = init_distributed(opts.device or "auto", timeout_minutes=timeout / 60)
+    # a lost peer: one line, exit status 3, no result for the set being evaluated
+    with faults.watch_peers(info, timeout, getattr(opts, "prog", "zero_shot.py")) as watch:
+        finished = False
+        try:
+            records = _run(opts, info, watch)
+            finished = True
+            return records
+        except Exception as exc:
+            watch.check(exc)
+            raise
+        finally:
+            watch.close("done" if finished else "interrupted")
+            cleanup_distributed(info, synchronize=False)
 
 
-def _run(opts, info: DistInfo) -> list[dict]:
+def _run(opts, info: DistInfo, watch: faults.PeerWatch | None = None) -> list[dict]:
     device = info.device
     compute = evaluation_precision(opts)
     get_precision(compute, device)  # validates the name
@@ -182,7 +194,16 @@ def _run(opts, info: DistInfo) -> list[dict]:
     common = dict(device=device, batch_size=opts.batch_size, workers=opts.workers,
                   precision=compute, text_batch_size=opts.text_batch_size, info=info)
     records = []
+    written: list[Path] = []
+    current = {"set": ""}
+    if watch is not None:
+        watch.where = lambda: f"while evaluating {current['set'] or 'the model'}"
+        watch.outcome = lambda: (
+            f"complete results: {', '.join(map(str, written)) or 'none'}; nothing was "
+            f"written for {current['set'] or 'any set'}"
+            + (" or the sets after it" if len(written) + 1 < len(plan) else ""))
     for name, task in plan:
+        current["set"] = name
         if task == "zeroshot_classification":
             transform = eval_transform(name, size)
             if name == "builtin":
@@ -206,7 +227,9 @@ def _run(opts, info: DistInfo) -> list[dict]:
         record = result_record(name, model_name, pretrained, task, metrics)
         records.append(record)
         if info.is_master:
-            path = write_result(record, json_dir)
+            with faults.writing():
+                path = write_result(record, json_dir)
+            written.append(path)
             print(f"wrote {path}", flush=True)
     if info.is_master and records:
         print("\n" + summary(records), flush=True)
@@ -222,7 +245,7 @@ def options(**kwargs) -> SimpleNamespace:
                 data_root=None, templates=None, retrieval_file=None, caption_prefix=None,
                 task="zeroshot_classification", batch_size=64, text_batch_size=256, workers=0,
                 precision="fp32", amp=None, output_dir=None, score_file=None,
-                device=None,
+                device=None, dist_timeout=DEFAULT_DIST_TIMEOUT,
                 wkv_backend=None, torchcompile=False, caltech101_split="original", seed=1024)
     base.update({k: None for k in ARCH_FLAGS})
     base.update(kwargs)

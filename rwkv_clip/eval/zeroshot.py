@@ -27,15 +27,16 @@ LOGIT_SCALE = 100.0
 @torch.no_grad()
 def build_classifier(model, classnames: Sequence[str], templates: Sequence[str],
                      device: torch.device | str, batch_size: int = 256,
-                     precision: str = "fp32") -> torch.Tensor:
-    """(C, num_classes) float32 zero-shot weights, one unit column per class."""
+                     precision: str = "fp32", tokenizer=None) -> torch.Tensor:
+    """(C, num_classes) float32 zero-shot weights, one unit column per class (``tokenizer``:
+    texts -> token ids, default CLIP's BPE at the model's context length)."""
     device = torch.device(device)
     if not classnames:
         raise ValueError("no class names")
     if not templates:
         raise ValueError("no templates")
     texts = [fill_template(t, c) for c in classnames for t in templates]
-    feats = encode_texts(model, texts, device, batch_size, precision)  # rows normalised
+    feats = encode_texts(model, texts, device, batch_size, precision, tokenizer)  # unit rows
     per_class = feats.view(len(classnames), len(templates), -1).mean(dim=1)
     weights = F.normalize(per_class, dim=-1)
     return weights.t().contiguous().to(device)

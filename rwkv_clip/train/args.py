@@ -26,6 +26,7 @@ from ..config import (
     str2bool,
 )
 from ..errors import EXIT_USER_ERROR, CheckpointError, ConfigError, TrainArgsError, report
+from ..faults import DEFAULT_DIST_TIMEOUT
 from ..precision import PRECISIONS
 from ..pretrained import published_config
 
@@ -183,6 +184,10 @@ def build_train_parser() -> argparse.ArgumentParser:
                    help="cache folder of the built-in dataset (default: the data package's)")
     g.add_argument("--device", default="auto",
                    help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:N")
+    g.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT, metavar="SECONDS",
+                   help="how long a collective waits for a stuck rank before the job stops "
+                        f"(default {DEFAULT_DIST_TIMEOUT:.0f}); a lost rank is noticed sooner "
+                        "(docs/faults.md)")
     g.add_argument("--seed", type=int, default=0, help="seed of model init, captions, dropout")
     g.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many optimizer steps (the schedule spans "
@@ -264,6 +269,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise TrainArgsError(f"--warmup must be a fraction in (0, 1), got {args.warmup}")
     if args.max_steps is not None and args.max_steps < 1:
         raise TrainArgsError(f"--max-steps must be >= 1, got {args.max_steps}")
+    if not args.dist_timeout > 0:
+        raise TrainArgsError(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
     if args.save_every_steps < 0 or args.zero_shot_every < 0:
         raise TrainArgsError("--save-every-steps and --zero-shot-every must be >= 0")
     if args.lock_image and args.lock_text:

@@ -200,6 +200,23 @@ def resolve_resume(resume: str | None, output: str | os.PathLike) -> Path | None
     return path
 
 
+def newest_checkpoint(output: str | os.PathLike) -> Path | None:
+    """The file ``--resume latest`` would load (by its own name: the epoch_/step_ file
+    ``epoch_latest.pt`` links to, when there is one), or None. Every file here is complete:
+    writes are atomic."""
+    latest = checkpoint_dir(output) / LATEST
+    if not latest.is_file():
+        return None
+    for path in latest.parent.iterdir():
+        if CHECKPOINT_NAME.fullmatch(path.name):
+            try:
+                if os.path.samefile(path, latest):
+                    return path
+            except OSError:
+                continue
+    return latest
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     ckpt = load_torch_file(path)  # one-line errors for garbage, JSON, empty, pickled code
     needed = ("state_dict", "optimizer", "step", "epoch", "batch_in_epoch", "rng")

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import host_memory
+from .. import faults, host_memory
 from ..distributed import (
     DistInfo,
     any_rank_true,
@@ -134,27 +134,65 @@ def main(args) -> dict[str, Any]:
     if args.keep_checkpoints < 0:
         raise TrainArgsError(f"--keep-checkpoints must be >= 0 (0: keep all), got "
                              f"{args.keep_checkpoints}")
-    info = init_distributed(args.device)
-    if info.is_master:  # before any work: a run that cannot save is not started
-        ckpt_io.check_writable(args.output)
-    log = setup_logging(args.output, info.rank, args.log_format)
-    finished = False
-    stop = StopSignals()
-    stop.install()  # a signal from here on: finish the step, save, exit 130 / 143
-    try:
-        result = train(args, info, log, stop)
-        finished = True
-        return result
-    finally:
-        stop.uninstall()
-        gc.collect()  # DDP reducers must be gone before the group is destroyed
-        cleanup_distributed(info, synchronize=finished)
-        close_logging()
+    info = init_distributed(args.device, timeout_minutes=args.dist_timeout / 60)
+    # a lost peer from here on: one line, exit status 3 (rwkv_clip.faults)
+    with faults.watch_peers(info, args.dist_timeout, "train.py") as watch:
+        if info.is_master:  # before any work: a run that cannot save is not started
+            ckpt_io.check_writable(args.output)
+        log = setup_logging(args.output, info.rank, args.log_format)
+        watch.log = log
+        watch.outcome = functools.partial(lost_rank_outcome, args.output)
+        resume_after_restart(args, log)
+        finished = False
+        stop = StopSignals()
+        stop.install()  # a signal from here on: finish the step, save, exit 130 / 143
+        try:
+            result = train(args, info, log, stop, watch)
+            finished = True
+            return result
+        except Exception as exc:
+            watch.check(exc)  # a lost peer: the line and exit 3 here, before any teardown
+            raise
+        finally:
+            stop.uninstall()
+            gc.collect()  # DDP reducers must be gone before the group is destroyed
+            watch.close("done" if finished else "interrupted")  # before the final barrier
+            cleanup_distributed(info, synchronize=finished)
+            close_logging()
 
 
-def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[str, Any]:
+def resume_after_restart(args, log) -> None:
+    """Under torchrun ``--max-restarts N`` a restarted job continues from the newest
+    checkpoint by itself, as if ``--resume latest`` were given."""
+    attempt = faults.restart_count()
+    if attempt == 0 or args.resume == "latest":
+        if attempt:
+            log.info(f"torchrun restart {attempt}: --resume latest")
+        return
+    newest = ckpt_io.newest_checkpoint(args.output)
+    if newest is None and args.resume is not None:
+        return  # nothing saved by the failed attempt: the given --resume still holds
+    given = f" (instead of --resume {args.resume})" if args.resume else ""
+    args.resume = "latest"
+    if newest is not None:
+        args.pretrained = None  # the checkpoint holds the weights
+    log.info(f"torchrun restart {attempt}: resuming as with --resume latest{given}: "
+             f"{newest or 'no checkpoint yet, starting again'}")
+
+
+def lost_rank_outcome(output) -> str:
+    """What a lost rank leaves: the newest complete checkpoint, and how to go on."""
+    newest = ckpt_io.newest_checkpoint(output)
+    how = ("torchrun restarts the job, which resumes by itself" if faults.restarts_left()
+           else "resume with --resume latest")
+    return f"last checkpoint: {newest or 'none yet'}; {how}"
+
+
+def train(args, info: DistInfo, log, stop: StopSignals | None = None,
+          watch: faults.PeerWatch | None = None) -> dict[str, Any]:
     """Set up, resume if asked, run the optimizer steps, summarise. ``stop``: SIGINT /
-    SIGTERM end the run at the next step boundary with a checkpoint (:class:`Interrupted`)."""
+    SIGTERM end the run at the next step boundary with a checkpoint (:class:`Interrupted`).
+    ``watch``: told the step, for the line a lost peer ends the run with."""
     stop = stop or StopSignals()
     ckpt_path = ckpt_io.resolve_resume(args.resume, args.output)
     ckpt = ckpt_io.load_checkpoint(ckpt_path) if ckpt_path is not None else None
@@ -190,6 +228,8 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
     schedule = dict(kind=args.lr_scheduler, max_lr=args.lr, total_steps=data.total_steps,
                     warmup=args.warmup)
     state = RunState()
+    if watch is not None:
+        watch.where = lambda: f"at step {state.step}"
     rng = None  # this rank's RNG states from the checkpoint, restored once data flows
     if ckpt is not None:
         rng = resume(ckpt, ckpt_path, info, log, model, optimizer, scaler, state,
@@ -525,9 +565,10 @@ def save_run_checkpoint(name: str, state: RunState, *, model, optimizer, scaler,
         ckpt = ckpt_io.build_checkpoint(model, optimizer, scaler, step=state.step,
                                         epoch=state.epoch, batch_in_epoch=state.batch_in_epoch,
                                         args=args, rng=rngs_all, total_steps=total_steps)
-        path = ckpt_io.save_checkpoint(
-            ckpt, args.output, name, keep=args.keep_checkpoints,
-            previous=state.last_saved if args.delete_previous_checkpoint else None)
+        with faults.writing():  # a stop for a lost peer waits for the file
+            path = ckpt_io.save_checkpoint(
+                ckpt, args.output, name, keep=args.keep_checkpoints,
+                previous=state.last_saved if args.delete_previous_checkpoint else None)
         state.last_saved = str(path)
         log.info(f"saved {path}")
     state.last_saved_step = state.step
