@@ -111,7 +111,12 @@ def _read_safetensors(path: Path, map_location=None) -> dict[str, torch.Tensor]:
 def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str,
                      hint: Callable[[], str] | None = None) -> None:
     """Raise one error listing every missing, unexpected and mis-shaped key; ``hint`` (called
-    only on a mismatch) adds the fix to its first line."""
+    only on a mismatch) adds the fix to its first line.
+
+    Weights of a SigLIP-trained model (with ``logit_bias``) give a model without one that
+    parameter first, so every loader takes CLIP and SigLIP checkpoints alike."""
+    if "logit_bias" in state_dict and getattr(model, "logit_bias", False) is None:
+        model.set_logit_bias(0.0)  # type: ignore[operator]
     expected = model.state_dict()
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]

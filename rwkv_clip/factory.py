@@ -48,7 +48,8 @@ def infer_config(state_dict: Mapping[str, torch.Tensor],
     the parameter names and shapes of ``state_dict``; None if none has. When several fit
     (B/16 with ``image_patch_size=32`` is B/32), the one the overrides change least wins."""
     overrides = dict(overrides or {})
-    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+    # SigLIP's logit_bias is the same for every config (check_state_dict adds it)
+    shapes = {k: tuple(v.shape) for k, v in state_dict.items() if k != "logit_bias"}
     matches = []
     for name in available_configs():
         params = read_config_json(name)[0]

@@ -1,11 +1,17 @@
-"""Contrastive loss with cross-rank feature gathering (the original's / open_clip's ClipLoss).
+"""Contrastive losses across ranks: CLIP's softmax loss (the original's / open_clip's
+ClipLoss) and SigLIP's pairwise sigmoid loss (open_clip's SigLipLoss).
 
-``local_loss``: each rank scores only its own samples against all gathered features
-(cheaper; labels offset by rank). ``gather_with_grad``: gradients flow through the
-all-gather, giving the exact full-batch gradient; without it, the local slice of the
+ClipLoss ``local_loss``: each rank scores only its own samples against all gathered
+features (cheaper; labels offset by rank). ``gather_with_grad``: gradients flow through
+the all-gather, giving the exact full-batch gradient; without it, the local slice of the
 gathered tensors is replaced by the rank's own (grad-carrying) features.
+
+SigLipLoss: each rank scores its images against every rank's texts, block by block, with
+gradients flowing back through the exchange; see :class:`SigLipLoss`.
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,4 +84,127 @@ class ClipLoss(nn.Module):
         labels = self.get_ground_truth(image_features.device, logits_per_image.shape[0])
         loss = (F.cross_entropy(logits_per_image, labels)
                 + F.cross_entropy(logits_per_text, labels)) / 2
+        return {"contrastive_loss": loss} if output_dict else loss
+
+
+# ----------------------------------------------------------------------------- SigLIP
+
+def _send_receive(group, routes, tensors) -> list[torch.Tensor]:
+    """Send ``tensors[i]`` to ``routes[i][0]`` and receive a tensor of its shape from
+    ``routes[i][1]``, all point-to-point operations in one batch."""
+    ops, received = [], []
+    for tensor, (to_rank, from_rank) in zip(tensors, routes, strict=True):
+        tensor = tensor.contiguous()
+        buffer = torch.empty_like(tensor)
+        ops.append(dist.P2POp(dist.isend, tensor, to_rank, group=group))
+        ops.append(dist.P2POp(dist.irecv, buffer, from_rank, group=group))
+        received.append(buffer)
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+class NeighbourExchange(torch.autograd.Function):
+    """:func:`_send_receive` with gradients: the gradient of a received tensor goes back
+    to the rank it came from, and the one of a sent tensor comes from where it went."""
+
+    @staticmethod
+    def forward(ctx, group, routes, *tensors):
+        ctx.group, ctx.routes = group, routes
+        return tuple(_send_receive(group, routes, tensors))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        back = tuple((from_rank, to_rank) for to_rank, from_rank in ctx.routes)
+        return (None, None, *NeighbourExchange.apply(ctx.group, back, *grads))
+
+
+def neighbour_exchange(routes, *tensors, group=None) -> tuple[torch.Tensor, ...]:
+    """Autograd-aware point-to-point exchange: ``routes[i] = (to_rank, from_rank)``."""
+    return NeighbourExchange.apply(group, tuple(routes), *tensors)
+
+
+class SigLipLoss(nn.Module):
+    """Pairwise sigmoid loss (Zhai et al., 2023), as open_clip's ``SigLipLoss``.
+
+    ``logits = logit_scale * image @ text.T + logit_bias``; labels are +1 for an image and
+    its own caption, -1 for every other pair; the loss is
+    ``-sum(logsigmoid(labels * logits)) / local_batch`` over the rank's images against the
+    texts of all ranks. The rank's own block comes first, then the other ranks' text
+    blocks (negatives only), which arrive with gradients attached:
+
+    * ``bidir``: neighbour exchange around the ring in both directions, so a rank holds
+      one or two received blocks at a time and ``(world_size - 1) / 2`` rounds suffice;
+    * ``gather``: one all-gather of the text features.
+
+    Both give the same numbers. Summed over ranks, the losses are ``world_size`` times the
+    one-process loss over the global batch, so the rank-mean of the loss (and DDP's
+    gradient average) is exactly the global-batch loss (and its gradient).
+    """
+
+    DIST_IMPLS = ("bidir", "gather")
+
+    def __init__(self, cache_labels: bool = False, rank: int = 0, world_size: int = 1,
+                 dist_impl: str = "bidir") -> None:
+        super().__init__()
+        if dist_impl not in self.DIST_IMPLS:
+            raise ValueError(f"unknown SigLIP dist_impl {dist_impl!r}: expected one of "
+                             f"{', '.join(self.DIST_IMPLS)}")
+        self.cache_labels = cache_labels
+        self.rank = rank
+        self.world_size = world_size
+        self.dist_impl = dist_impl
+        self._labels: dict[tuple, torch.Tensor] = {}
+
+    def get_ground_truth(self, device: torch.device, dtype: torch.dtype, num_logits: int,
+                         negative_only: bool = False) -> torch.Tensor:
+        """(n, n) labels: -1 everywhere, +1 on the diagonal unless ``negative_only``."""
+        key = (device, dtype, num_logits, negative_only)
+        if key in self._labels:
+            return self._labels[key]
+        labels = -torch.ones((num_logits, num_logits), device=device, dtype=dtype)
+        if not negative_only:
+            labels.diagonal().fill_(1)
+        if self.cache_labels:
+            self._labels[key] = labels
+        return labels
+
+    def get_logits(self, image_features, text_features, logit_scale, logit_bias=None):
+        logits = logit_scale * image_features @ text_features.T
+        return logits if logit_bias is None else logits + logit_bias
+
+    def _loss(self, image_features, text_features, logit_scale, logit_bias=None,
+              negative_only: bool = False) -> torch.Tensor:
+        logits = self.get_logits(image_features, text_features, logit_scale, logit_bias)
+        labels = self.get_ground_truth(image_features.device, image_features.dtype,
+                                       image_features.shape[0], negative_only)
+        return -F.logsigmoid(labels * logits).sum() / image_features.shape[0]
+
+    def other_texts(self, text_features: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The text features of every other rank, one block at a time."""
+        if self.dist_impl == "gather":
+            import torch.distributed.nn as dist_nn  # autograd-aware collectives
+            gathered = dist_nn.all_gather(text_features)
+            yield from (t for i, t in enumerate(gathered) if i != self.rank)
+            return
+        right = (self.rank + 1) % self.world_size
+        left = (self.rank - 1) % self.world_size
+        to_left = to_right = text_features
+        rounds, one_more = divmod(self.world_size - 1, 2)
+        for _ in range(rounds):  # round i: the blocks of the ranks i + 1 to each side
+            from_right, from_left = neighbour_exchange(((left, right), (right, left)),
+                                                       to_left, to_right)
+            yield from_right
+            yield from_left
+            to_left, to_right = from_right, from_left
+        if one_more:  # an even world size: the rank opposite, passed on from the left
+            yield neighbour_exchange(((right, left),), to_right)[0]
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None,
+                output_dict: bool = False):
+        loss = self._loss(image_features, text_features, logit_scale, logit_bias)
+        if self.world_size > 1:
+            for text in self.other_texts(text_features):
+                loss = loss + self._loss(image_features, text, logit_scale, logit_bias,
+                                         negative_only=True)
         return {"contrastive_loss": loss} if output_dict else loss

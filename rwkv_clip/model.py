@@ -4,10 +4,12 @@
 RWKV-CLIP has no projection heads: the image feature is the mean of the final patch
 tokens (or the cls token), the text feature the mean over all ``ctx_len`` positions of
 the L2-normalised per-token outputs (padding included). ``forward`` returns unnormalised
-features and ``logit_scale.exp()``, exactly as the original.
+features and ``logit_scale.exp()``, exactly as the original; a model trained with the
+SigLIP loss also has ``logit_bias``, returned fourth (as open_clip's SigLIP models).
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -23,6 +25,10 @@ from .layers.time_mix import TimeMixBase
 from .pretrained import load_weights
 from .text_rwkv import Text_RWKV
 
+# open_clip's SigLIP models: init_logit_scale ln 10, init_logit_bias -10
+SIGLIP_LOGIT_SCALE = math.log(10.0)
+SIGLIP_LOGIT_BIAS = -10.0
+
 
 class get_model(nn.Module):
     """RWKV-CLIP: ``image_model`` (Image_RWKV), ``text_model`` (Text_RWKV), ``logit_scale``."""
@@ -34,6 +40,23 @@ class get_model(nn.Module):
         self.image_model = model_image_rwkv
         self.image_cls_token = image_cls_token
         self.logit_scale = nn.Parameter(torch.ones([]) * np.log(1 / 0.07))
+        self.logit_bias: nn.Parameter | None = None  # SigLIP only (set_logit_bias)
+
+    def set_logit_bias(self, value: float | None) -> None:
+        """Give the model SigLIP's ``logit_bias`` parameter with ``value`` (a CLIP model has
+        none, so its state dict keeps the original's keys), or remove it (None)."""
+        if value is None:
+            self.logit_bias = None
+            return
+        scale = self.logit_scale
+        self.logit_bias = nn.Parameter(torch.full((), float(value), dtype=scale.dtype,
+                                                  device=scale.device))
+
+    def init_siglip(self) -> None:
+        """open_clip's SigLIP initialisation: logit_scale ln 10, logit_bias -10."""
+        with torch.no_grad():
+            self.logit_scale.fill_(SIGLIP_LOGIT_SCALE)
+        self.set_logit_bias(SIGLIP_LOGIT_BIAS)
 
     def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         """(B, 3, S, S) normalised images -> (B, C) image features."""
@@ -51,7 +74,10 @@ class get_model(nn.Module):
         return F.normalize(features, dim=-1) if normalize else features
 
     def forward(self, image: torch.Tensor, text: torch.Tensor):
-        return self.encode_image(image), self.encode_text(text), self.logit_scale.exp()
+        image_features, text_features = self.encode_image(image), self.encode_text(text)
+        if self.logit_bias is not None:
+            return image_features, text_features, self.logit_scale.exp(), self.logit_bias
+        return image_features, text_features, self.logit_scale.exp()
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block in backward (the original's ``with_cp``) in both towers."""

@@ -148,6 +148,7 @@ def compute_predictions(model, folder: str | os.PathLike, device: torch.device |
     from .eval.datasets import image_folder_set
     from .eval.zeroshot import (
         build_classifier,
+        class_probabilities,
         classification_logits,
         model_input_size,
     )
@@ -167,7 +168,7 @@ def compute_predictions(model, folder: str | os.PathLike, device: torch.device |
                                                 info=DistInfo())
     finally:
         model.train(was_training)
-    probs = logits.float().softmax(dim=-1)
+    probs = class_probabilities(model, logits)
     top_p, top_i = probs.topk(min(3, probs.shape[1]), dim=-1)
     samples: list[dict[str, Any]] = [{"path": str(eval_set.describe(i)), "target": int(targets[i]),
                 "top3": [int(c) for c in top_i[i]],

@@ -21,8 +21,9 @@ def _torchrun(argv, cwd, nproc=2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_flags", [
-    [], ["--local-loss", "True", "--gather-with-grad", "True", "--open-checkpoint", "True"]],
-    ids=["default", "local+grad+checkpointing"])
+    [], ["--local-loss", "True", "--gather-with-grad", "True", "--open-checkpoint", "True"],
+    ["--siglip"], ["--siglip", "--siglip-dist-impl", "gather"]],
+    ids=["default", "local+grad+checkpointing", "siglip-bidir", "siglip-gather"])
 def test_two_process_gloo_run(tmp_path, loss_flags):
     prefix = make_tiny_rec(tmp_path, n=32)
     out_dir = tmp_path / "out"

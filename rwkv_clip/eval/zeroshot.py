@@ -56,6 +56,21 @@ def classification_logits(model, eval_set: ClassificationSet, classifier: torch.
     return logits, targets
 
 
+def class_probabilities(model, logits: torch.Tensor) -> torch.Tensor:
+    """Class probabilities from :func:`classification_logits` (LOGIT_SCALE x cosine): a
+    softmax over the classes for a CLIP model; for a SigLIP model (one with
+    ``logit_bias``) each class's own ``sigmoid(exp(logit_scale) x cosine + logit_bias)``,
+    the pair probability it was trained for. Accuracy is the same either way (both are
+    increasing in the cosine)."""
+    model = unwrap_model(model)
+    logits = logits.float()
+    bias = getattr(model, "logit_bias", None)
+    if bias is None:
+        return logits.softmax(dim=-1)
+    scale = model.logit_scale.detach().float().exp().to(logits.device)
+    return torch.sigmoid(scale * logits / LOGIT_SCALE + bias.detach().float().to(logits.device))
+
+
 def evaluate_classification(model, eval_set: ClassificationSet, device: torch.device | str,
                             batch_size: int = 64, workers: int = 0, precision: str = "fp32",
                             text_batch_size: int = 256, info: DistInfo | None = None

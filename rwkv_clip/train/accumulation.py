@@ -9,8 +9,9 @@ Modes:
   gives exactly the gradient of one batch of K x m with all its negatives. Two details
   make it exact where open_clip is not: the torch RNG state captured before each
   micro-batch's cached forward is restored before its recompute (same dropout / drop
-  path masks), and ``logit_scale`` takes part in only one of the K backward passes
-  (otherwise its gradient would count K times).
+  path masks), and ``logit_scale`` (and SigLIP's ``logit_bias``) takes part in only one
+  of the K backward passes (otherwise its gradient would count K times). The same holds
+  for either loss (CLIP's softmax or SigLIP's sigmoid loss), which sees one batch of K x m.
 * ``mean``: loss of each micro-batch on its own, divided by K, backward each (cheaper:
   one forward per micro-batch, but only m negatives per sample).
 
@@ -58,9 +59,13 @@ def caption_generator(seed: int, rank: int, epoch: int, index: int) -> torch.Gen
     return g
 
 
-def choose_captions(tokens: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, 3*77) raw|synthetic|generated token ids -> (B, 77), a uniform choice per sample.
+def choose_captions(tokens: torch.Tensor, generator: torch.Generator | None,
+                    weights: Sequence[float] | None = None) -> torch.Tensor:
+    """(B, 3*77) raw|synthetic|generated token ids -> (B, 77), one caption per sample.
 
+    ``weights`` (raw, synthetic, generated; ``--caption-weights``): the relative
+    probability of each variant. Equal weights (the default, the original's uniform
+    draw) draw with ``randint``; others with ``multinomial``, from the same generator.
     Tokens of shape (B, 77) pass through unchanged (a single caption per sample).
     """
     if tokens.dim() != 2 or tokens.shape[1] % CAPTION_LEN:
@@ -69,19 +74,30 @@ def choose_captions(tokens: torch.Tensor, generator: torch.Generator | None) -> 
     variants = tokens.shape[1] // CAPTION_LEN
     if variants == 1:
         return tokens.long()
-    choice = torch.randint(0, variants, (tokens.shape[0],), generator=generator)
+    w = [1.0] * variants if weights is None else [float(x) for x in weights[:variants]]
+    if len(w) < variants or min(w) < 0 or sum(w) <= 0:
+        raise ValueError(f"caption weights {list(weights or [])} do not fit {variants} "
+                         "caption variants: expected a non-negative weight for each, not "
+                         "all zero")
+    if all(x == w[0] for x in w):
+        choice = torch.randint(0, variants, (tokens.shape[0],), generator=generator)
+    else:
+        choice = torch.multinomial(torch.tensor(w, dtype=torch.float64), tokens.shape[0],
+                                   replacement=True, generator=generator)
     index = choice[:, None] * CAPTION_LEN + torch.arange(CAPTION_LEN)[None, :]
     return tokens.gather(1, index.to(tokens.device)).long()
 
 
 def make_micro_batches(images: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor],
                        generator: torch.Generator | None,
-                       device: torch.device, ctx_len: int = CAPTION_LEN) -> list[MicroBatch]:
+                       device: torch.device, ctx_len: int = CAPTION_LEN,
+                       caption_weights: Sequence[float] | None = None) -> list[MicroBatch]:
     """Choose captions for all samples of one optimizer step at once (before any
-    caching), fit them to the model's ``ctx_len``, then move each micro-batch to
-    ``device``."""
+    caching; ``caption_weights`` as :func:`choose_captions`), fit them to the model's
+    ``ctx_len``, then move each micro-batch to ``device``."""
     sizes = [t.shape[0] for t in tokens]
-    chosen = fit_context_length(choose_captions(torch.cat(list(tokens)), generator), ctx_len)
+    chosen = fit_context_length(
+        choose_captions(torch.cat(list(tokens)), generator, caption_weights), ctx_len)
     texts = chosen.split(sizes)
     return [MicroBatch(im.to(device, non_blocking=True), tx.to(device, non_blocking=True))
             for im, tx in zip(images, texts, strict=True)]
@@ -90,12 +106,19 @@ def make_micro_batches(images: Sequence[torch.Tensor], tokens: Sequence[torch.Te
 # ----------------------------------------------------------------------------- the step
 
 def _features(model: nn.Module, mb: MicroBatch, autocast: Callable):
+    """(image, text features, logit_scale.exp(), logit_bias or None), in float32."""
     with autocast():
-        image_features, text_features, logit_scale = model(mb.images, mb.texts)
+        image_features, text_features, logit_scale, *bias = model(mb.images, mb.texts)
         image_features = F.normalize(image_features, dim=-1)
         text_features = F.normalize(text_features, dim=-1)
     # the contrastive loss is computed in float32 whatever the autocast dtype
-    return image_features.float(), text_features.float(), logit_scale.float()
+    return (image_features.float(), text_features.float(), logit_scale.float(),
+            bias[0].float() if bias else None)
+
+
+def _head(logit_scale: torch.Tensor, logit_bias: torch.Tensor | None) -> tuple:
+    """The loss's trailing arguments: ``(scale,)`` for CLIP, ``(scale, bias)`` for SigLIP."""
+    return (logit_scale,) if logit_bias is None else (logit_scale, logit_bias)
 
 
 class MicroBatchLosses:
@@ -120,6 +143,7 @@ class MicroBatchLosses:
         self.samples = sum(mb.images.shape[0] for mb in micro_batches)
         self.losses: list[torch.Tensor] = []
         self.logit_scale: float = float("nan")
+        self.logit_bias: float | None = None  # SigLIP models only
         if self.exact:
             self._cache(unwrap_model(model))
 
@@ -129,7 +153,7 @@ class MicroBatchLosses:
         with torch.no_grad():
             for mb in self.micro_batches:
                 self.rng.append(capture_rng(device, host=False))
-                image_f, text_f, _ = _features(inner, mb, self.autocast)
+                image_f, text_f, _, _ = _features(inner, mb, self.autocast)
                 self.image.append(image_f)
                 self.text.append(text_f)
 
@@ -137,17 +161,20 @@ class MicroBatchLosses:
         mb = self.micro_batches[j]
         if self.exact:
             restore_rng(self.rng[j], mb.images.device)  # the cached pass's dropout masks
-        image_f, text_f, logit_scale = _features(model, mb, self.autocast)
+        image_f, text_f, logit_scale, logit_bias = _features(model, mb, self.autocast)
         self.logit_scale = float(logit_scale.detach())
+        if logit_bias is not None:
+            self.logit_bias = float(logit_bias.detach())
         if not self.exact:
-            loss = self.loss_fn(image_f, text_f, logit_scale)
+            loss = self.loss_fn(image_f, text_f, *_head(logit_scale, logit_bias))
             self.losses.append(loss.detach())
             return loss / self.k if self.k > 1 else loss
-        if j < self.k - 1:  # logit_scale's gradient must be counted once, not K times
+        if j < self.k - 1:  # scale's (and bias') gradient must count once, not K times
             logit_scale = logit_scale.detach()
+            logit_bias = None if logit_bias is None else logit_bias.detach()
         all_image = torch.cat(self.image[:j] + [image_f] + self.image[j + 1:])
         all_text = torch.cat(self.text[:j] + [text_f] + self.text[j + 1:])
-        loss = self.loss_fn(all_image, all_text, logit_scale)
+        loss = self.loss_fn(all_image, all_text, *_head(logit_scale, logit_bias))
         self.losses.append(loss.detach())
         return loss
 
@@ -168,6 +195,7 @@ class StepResult:
     grad_norm: float | None     # total gradient norm before clipping (None: no clipping)
     logit_scale: float          # exp(logit_scale) used in the forward
     samples: int                # samples in this step on this rank
+    logit_bias: float | None = None  # SigLIP's logit_bias used in the forward
 
 
 def clamp_logit_scale(model: nn.Module) -> None:
@@ -209,7 +237,7 @@ def train_step(model: nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: n
     optimizer.zero_grad(set_to_none=True)
     clamp_logit_scale(model)
     return StepResult(loss=micro.value, grad_norm=grad_norm, logit_scale=micro.logit_scale,
-                      samples=micro.samples)
+                      samples=micro.samples, logit_bias=micro.logit_bias)
 
 
 def unscale_and_clip(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,

@@ -226,6 +226,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     _bool_flag(g, "--tensorboard", True, "write TensorBoard scalars to OUTPUT/tensorboard")
     _bool_flag(g, "--progress", True, "tqdm progress bar on rank 0")
     add_run_safety_flags(p)
+    add_loss_flags(p)
 
     g = p.add_argument_group("compilation (open_clip's flag)")
     g.add_argument("--torchcompile", action="store_true", default=False,
@@ -351,6 +352,9 @@ def warn_ignored(args: argparse.Namespace, log=print) -> None:
                         ("--drop-path", args.drop_path)):
         if value is not None:
             log(f"note: {flag} is accepted for compatibility and ignored, as in the original")
+    if getattr(args, "siglip", False) and (args.local_loss or args.gather_with_grad):
+        log("note: --local-loss and --gather-with-grad belong to the CLIP loss and are "
+            "ignored with --siglip (see --siglip-dist-impl)")
 
 
 # ----------------------------------------------------------------------------- resume, retention
@@ -386,3 +390,40 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
+
+
+# ----------------------------------------------------------------------------- loss, captions
+
+CAPTION_ROLES = ("raw", "synthetic", "generated")
+
+
+def caption_weights(text: str) -> list[float]:
+    """argparse type of ``--caption-weights RAW,SYN,GEN``: three non-negative numbers,
+    not all zero."""
+    try:
+        weights = [float(x) for x in text.split(",")]
+    except ValueError:
+        weights = []
+    if (len(weights) != len(CAPTION_ROLES) or not all(w >= 0 and w != float("inf")
+                                                      for w in weights) or sum(weights) == 0):
+        raise argparse.ArgumentTypeError(
+            f"expected three non-negative numbers RAW,SYN,GEN (weights of the raw, synthetic "
+            f"and generated captions), not all zero, e.g. 1,1,1 or 1,0,0; got {text!r}")
+    return weights
+
+
+def add_loss_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("loss and captions")
+    g.add_argument("--siglip", action="store_true", default=False,
+                   help="SigLIP's pairwise sigmoid loss instead of CLIP's softmax loss (as "
+                        "open_clip's --siglip); the model gains logit_bias (init -10) and "
+                        "logit_scale starts at ln 10")
+    g.add_argument("--siglip-dist-impl", choices=("bidir", "gather"), default="bidir",
+                   help="how SigLIP sees the other ranks' texts: bidir (neighbour exchange "
+                        "both ways, one block at a time) or gather (all-gather); the same "
+                        "loss and gradients")
+    g.add_argument("--caption-weights", type=caption_weights, default=[1.0, 1.0, 1.0],
+                   metavar="RAW,SYN,GEN",
+                   help="relative chance of drawing each image's raw, synthetic and "
+                        "generated caption (1,1,1: the original's uniform draw; 1,0,0: raw "
+                        "captions only)")

@@ -48,7 +48,7 @@ from ..errors import (
     run_cli,
 )
 from ..factory import build_model
-from ..loss import ClipLoss
+from ..loss import ClipLoss, SigLipLoss
 from ..model import get_model
 from ..ops import prepare_wkv_kernel
 from ..precision import get_precision
@@ -221,8 +221,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
         kernel_ready(raise_error=False)
         raise
     kernel_ready()
-    loss_fn = ClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
-                       cache_labels=True, rank=info.rank, world_size=info.world_size)
+    loss_fn = build_loss(args, info)
     optimizer = build_optimizer(model, args)
     precision = get_precision(args.precision, info.device)
     scaler, autocast = precision.scaler(), precision.autocast_factory
@@ -269,7 +268,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
                                              state.batch_in_epoch // k)
                 micro_batches = make_micro_batches(
                     [p[0] for p in pending], [p[1] for p in pending], captions, info.device,
-                    model.text_model.args.ctx_len)
+                    model.text_model.args.ctx_len, args.caption_weights)
                 pending = []
                 set_lr(optimizer, *lr_at(state.step, **schedule))
                 try:
@@ -356,6 +355,7 @@ def build_train_model(args, info: DistInfo, log) -> get_model:
     model = build_model(args.model_config, weights)
     if weights is not None:
         log.info(f"initial weights from {args.pretrained}")
+    fit_logit_bias(model, args, log)
     lock_towers(model, args, log)
     model.set_grad_checkpointing(bool(args.open_checkpoint))
     model.to(info.device).train()
@@ -364,6 +364,35 @@ def build_train_model(args, info: DistInfo, log) -> get_model:
              f"activation checkpointing {'on' if args.open_checkpoint else 'off'}")
     seed_everything(args.seed + 1 + info.rank)  # per-rank dropout / drop-path streams
     return model
+
+
+def fit_logit_bias(model: get_model, args, log) -> None:
+    """SigLIP needs ``logit_bias``: a fresh model gets open_clip's SigLIP init (scale ln 10,
+    bias -10), CLIP weights (``--pretrained``) keep their scale and get bias -10. The CLIP
+    loss has no use for one: a SigLIP checkpoint's bias is dropped."""
+    from ..model import SIGLIP_LOGIT_BIAS
+
+    siglip = bool(getattr(args, "siglip", False))
+    if siglip and model.logit_bias is None:
+        if args.pretrained:
+            model.set_logit_bias(SIGLIP_LOGIT_BIAS)
+            log.info(f"--siglip: logit_bias starts at {SIGLIP_LOGIT_BIAS:g} (the --pretrained "
+                     "weights have none)")
+        else:
+            model.init_siglip()
+    elif not siglip and model.logit_bias is not None:
+        model.set_logit_bias(None)
+        log.info("the --pretrained weights hold a SigLIP logit_bias: dropped for the CLIP "
+                 "loss (add --siglip to keep training it)")
+
+
+def build_loss(args, info: DistInfo) -> torch.nn.Module:
+    """CLIP's softmax loss, or SigLIP's sigmoid loss with ``--siglip``."""
+    if getattr(args, "siglip", False):
+        return SigLipLoss(cache_labels=True, rank=info.rank, world_size=info.world_size,
+                          dist_impl=args.siglip_dist_impl)
+    return ClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
+                    cache_labels=True, rank=info.rank, world_size=info.world_size)
 
 
 @dataclass
@@ -579,6 +608,7 @@ class Logs:
         if not self.info.is_master:
             return
         self.board.scalars(step, loss=loss, lr=lr, logit_scale=result.logit_scale,
+                           logit_bias=result.logit_bias,
                            samples_per_second=(self.speed.last_speed * self.info.world_size
                                                if line else None))
         if self.bar is not None:
