@@ -21,6 +21,8 @@ from typing import Any
 from ..config import ConfigError, ModelArgs, parse_bool, read_config_json
 from ..errors import EXIT_USER_ERROR, TrainArgsError, report
 from ..precision import PRECISIONS
+from .tracking import add_tracking_flags, resolve_tracking
+from .validation import add_validation_flags, resolve_validation
 
 DEFAULT_CONFIG = "RWKV_CLIP_small"
 
@@ -212,9 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="image folder (classnames.json, templates.json) for zero-shot; "
                         "default: the built-in held-out split with --data-format builtin")
     _bool_flag(g, "--final-zero-shot", True, "evaluate zero-shot after training")
-    _bool_flag(g, "--tensorboard", True, "write TensorBoard scalars to OUTPUT/tensorboard")
+    _bool_flag(g, "--tensorboard", True, "write TensorBoard scalars to OUTPUT/tensorboard "
+                                         "(False: drop tensorboard from --report-to)")
     _bool_flag(g, "--progress", True, "tqdm progress bar on rank 0")
     add_run_safety_flags(p)
+    add_validation_flags(p)
+    add_tracking_flags(p)
 
     g = p.add_argument_group("compilation (open_clip's flag)")
     g.add_argument("--torchcompile", action="store_true", default=False,
@@ -264,6 +269,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise TrainArgsError("--resume and --pretrained exclude each other: resume restores "
                              "weights and optimizer; pretrained starts a fresh run from weights")
 
+    resolve_tracking(args)
+    resolve_validation(args)
     model, args.config_source = resolve_model_config(args)
     args.model_config = {k: v for k, v in model.to_dict().items() if k not in NOT_MODEL_KEYS}
     for k, v in args.model_config.items():
