@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import socket
 from pathlib import Path
 
@@ -103,7 +104,7 @@ class WandbRun:
         folder.mkdir(parents=True, exist_ok=True)
         id_file = folder / RUN_ID_FILE
         resuming = getattr(args, "resume", None) is not None and id_file.is_file()
-        run_id = id_file.read_text().strip() if resuming else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if resuming else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb_reachable() else "offline")
         self.run = wandb.init(project=args.wandb_project_name, name=args.name, id=run_id,

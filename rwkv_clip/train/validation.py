@@ -246,3 +246,23 @@ class Validator:
         """Validate the final weights unless the last validation saw them."""
         if self.loader is not None and self.last_step != step:
             self.run(model, step, epoch, "final")
+
+
+def plot_validation(loss_ax, recall_ax, records: list[dict]) -> None:
+    """The validation loss on the training-loss axes, R@1/5/10 both ways on their own."""
+    steps = [r["step"] for r in records]
+    loss_ax.plot(steps, [r["clip_val_loss"] for r in records], "o-", color="tab:red",
+                 label="validation (held-out pairs)")
+    loss_ax.set_title("training loss (interval means) and validation loss")
+    loss_ax.legend(loc="upper right")
+    styles = {1: "o-", 5: "s--", 10: "^:"}
+    for name, color in (("image_to_text", "tab:blue"), ("text_to_image", "tab:green")):
+        arrow = name.replace("_to_", "->")
+        for k in RECALL_KS:
+            recall_ax.plot(steps, [100 * r[f"{name}_R@{k}"] for r in records], styles[k],
+                           color=color, alpha=1.0 if k == 1 else 0.6, label=f"{arrow} R@{k}")
+    last = records[-1]
+    recall_ax.set(title=f"validation retrieval recall ({last['num_samples']} pairs)",
+                  xlabel="optimizer step", ylabel="recall (%)", ylim=(0, 100))
+    recall_ax.grid(alpha=0.3)
+    recall_ax.legend(loc="upper left", fontsize=7, ncol=2)
