@@ -12,7 +12,7 @@ the chosen ``C`` (scikit-learn's inverse strength, ``1 / lambda``).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,31 +110,42 @@ def val_accuracy(train: Features, val: Features, C: float, num_classes: int,
     return (pred == val.targets).double().mean().item()
 
 
+def search_grid(score: Callable[[int], float], size: int, stride: int = COARSE_STRIDE
+                ) -> tuple[int, dict[int, float]]:
+    """The index of ``range(size)`` with the highest ``score``: every ``stride``-th index
+    first, then the best one's neighbours at half the stride, halving down to 1
+    (CLIP_benchmark's search; exact for a unimodal score). Ties go to the larger index
+    (the stronger regularisation). Returns (index, {index: score of every index tried})."""
+    tried: dict[int, float] = {}
+
+    def best(indices) -> int:
+        for i in indices:
+            if i not in tried:
+                tried[i] = score(i)
+        return max(indices, key=lambda i: (tried[i], i))
+
+    peak = best(sorted({*range(0, size, stride), size - 1}))
+    span = stride // 2
+    while span > 0:
+        peak = best(sorted({max(peak - span, 0), peak, min(peak + span, size - 1)}))
+        span //= 2
+    return peak, dict(sorted(tried.items()))
+
+
 def search_regularization(train: Features, val: Features, num_classes: int, seed: int = 0,
                           lambdas: Sequence[float] = LAMBDAS, log=None
                           ) -> tuple[float, dict[float, float]]:
-    """The L2 strength of ``lambdas`` with the best held-out top-1: every
-    :data:`COARSE_STRIDE`-th value first, then the best one's neighbours at spans 8, 4,
-    2, 1 (CLIP_benchmark's search). Ties keep the stronger regularisation. Returns
-    (lambda, {lambda: held-out accuracy of every value tried})."""
-    tried: dict[int, float] = {}
-
+    """The L2 strength of ``lambdas`` whose fit on ``train`` scores the best top-1 on
+    ``val`` (:func:`search_grid`). Returns (lambda, {lambda: held-out top-1 of every value
+    tried})."""
     def score(i: int) -> float:
-        if i not in tried:
-            tried[i] = val_accuracy(train, val, 1.0 / lambdas[i], num_classes, seed)
-            if log is not None:
-                log(f"  lambda {lambdas[i]:.3g}: held-out top-1 {100 * tried[i]:.2f}%")
-        return tried[i]
+        acc = val_accuracy(train, val, 1.0 / lambdas[i], num_classes, seed)
+        if log is not None:
+            log(f"  lambda {lambdas[i]:.3g}: held-out top-1 {100 * acc:.2f}%")
+        return acc
 
-    def best(indices) -> int:  # highest accuracy; on a tie the larger lambda
-        return max(indices, key=lambda i: (score(i), i))
-
-    peak = best(range(0, len(lambdas), COARSE_STRIDE))
-    span = COARSE_STRIDE // 2
-    while span > 0:
-        peak = best(sorted({max(peak - span, 0), peak, min(peak + span, len(lambdas) - 1)}))
-        span //= 2
-    return float(lambdas[peak]), {float(lambdas[i]): a for i, a in sorted(tried.items())}
+    peak, tried = search_grid(score, len(lambdas))
+    return float(lambdas[peak]), {float(lambdas[i]): a for i, a in tried.items()}
 
 
 def linear_probe(train: Features, test: Features, num_classes: int, fewshot_k: int = -1,
@@ -170,11 +181,13 @@ def evaluate_linear_probe(model, dataset: str, data_root, input_size: int,
                           device: torch.device | str, batch_size: int = 64, workers: int = 0,
                           precision: str = "fp32", fewshot_k: int = -1,
                           val_proportion: float = DEFAULT_VAL_PROPORTION, seed: int = 0,
-                          feature_dir=None, info=None, log=None) -> dict:
+                          feature_dir=None, info=None, log=None, builtin=None) -> dict:
     """Linear-probe metrics of ``model`` on ``dataset`` (builtin, imagefolder with
     ``train/`` and ``test/``, or a paper set): features of both splits (cached in
     ``feature_dir``, default :func:`.feature_cache.default_feature_dir`), then
-    :func:`linear_probe` on rank 0; every rank returns the same dict."""
+    :func:`linear_probe` on rank 0; every rank returns the same dict. ``builtin``: a
+    :class:`~rwkv_clip.data.builtin.BuiltinDataset` to use for ``builtin`` instead of the
+    default one."""
     from .distributed import current, fail_together
     from .feature_cache import cached_features, default_feature_dir, weights_fingerprint
     from .probe_data import probe_splits
@@ -186,12 +199,13 @@ def evaluate_linear_probe(model, dataset: str, data_root, input_size: int,
     device = torch.device(device)
     model = unwrap_model(model)
     transform = eval_transform(dataset, input_size)
-    train_set, test_set = probe_splits(dataset, data_root, transform)
+    train_set, test_set = probe_splits(dataset, data_root, transform, builtin=builtin)
     if log is not None:
         log(f"{train_set.name}: linear probe, {len(train_set)} train / {len(test_set)} test "
             f"images, {test_set.num_classes} classes")
     fingerprint = weights_fingerprint(model)
-    root = str(Path(data_root).resolve()) if data_root else "builtin"
+    root = (builtin.root if builtin is not None else "builtin") if dataset == "builtin" else \
+        str(Path(data_root).resolve())
     common = dict(cache_dir=feature_dir or default_feature_dir(), fingerprint=fingerprint,
                   root=root, transform=transform, device=device, batch_size=batch_size,
                   workers=workers, precision=precision, info=info, log=log)

@@ -90,10 +90,12 @@ class BuiltinTrainImages(Dataset):
         return (self.transform(img) if self.transform else img), self.labels[int(key)]
 
 
-def builtin_splits(transform, root: str | None = None) -> tuple[ClassificationSet, ClassificationSet]:
+def builtin_splits(transform, builtin=None) -> tuple[ClassificationSet, ClassificationSet]:
+    """``builtin``: a :class:`~rwkv_clip.data.builtin.BuiltinDataset` (default: the
+    default one, generated on first use)."""
     from ..data.builtin import ensure_builtin_dataset
 
-    ds = ensure_builtin_dataset(root=root)
+    ds = builtin or ensure_builtin_dataset()
     test = image_folder_set(ds.zeroshot_dir, transform, name="builtin")
     train_ds = BuiltinTrainImages(ds.train_prefix, test.classnames, transform)
     train = ClassificationSet("builtin", train_ds, test.classnames, test.templates,
@@ -177,12 +179,12 @@ def _train_dataset(name: str, root: Path, transform) -> Dataset:
     raise EvalError(f"no training split known for {name!r}")  # pragma: no cover
 
 
-def probe_splits(name: str, data_root, transform, templates_file=None
+def probe_splits(name: str, data_root, transform, templates_file=None, builtin=None
                  ) -> tuple[ClassificationSet, ClassificationSet]:
     """(train set, test set) of ``name``: builtin, imagefolder or a paper set."""
     name = canonical_name(name)
     if name == "builtin":
-        return builtin_splits(transform)
+        return builtin_splits(transform, builtin)
     if name == "imagefolder":
         return imagefolder_splits(data_root, transform)
     if name not in PAPER_DATASETS:

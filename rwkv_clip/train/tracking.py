@@ -10,7 +10,6 @@ later. A resumed run continues the same wandb run (its id is kept in ``OUTPUT/wa
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -58,8 +57,12 @@ def resolve_tracking(args) -> None:
     targets = parse_report_to(getattr(args, "report_to", "tensorboard"))
     if getattr(args, "tensorboard", True) is False and "tensorboard" in targets:
         targets.remove("tensorboard")
-    if "wandb" in targets and importlib.util.find_spec("wandb") is None:
-        raise TrainArgsError("--report-to wandb needs the wandb package: pip install wandb")
+    if "wandb" in targets:
+        try:
+            import wandb  # noqa: F401 - asked for: a missing package stops the run here
+        except ImportError:
+            raise TrainArgsError("--report-to wandb needs the wandb package: "
+                                 "pip install wandb") from None
     args.report_to = targets
     explicit = getattr(args, "explicit", None) or ()
     if getattr(args, "name", None):

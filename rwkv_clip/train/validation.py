@@ -164,7 +164,8 @@ def read_results(output: str | os.PathLike) -> list[dict]:
                 continue
             start = rec.get("start_step", 0)
             if start:  # a resumed process: what the interrupted one logged later is replaced
-                records = [r for r in records if r.get("step", 0) <= start]
+                records = [r for r in records
+                           if r.get("step", 0) <= start or r.get("start_step", 0) == start]
             elif records and rec.get("step", 0) <= records[-1].get("step", 0):
                 records = []  # a fresh run in the same folder
             records.append(rec)
