@@ -141,16 +141,20 @@ def wandb_records(run_file: Path):
 
 
 def wandb_history(run_file: Path) -> list[dict]:
-    return [{i.key: json.loads(i.value_json) for i in rec.history.item}
+    return [{_key(i): json.loads(i.value_json) for i in rec.history.item}
             for rec in wandb_records(run_file) if rec.WhichOneof("record_type") == "history"]
 
 
+def _key(item) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
 def wandb_config(run_file: Path) -> dict:
-    config = {}
+    """The config the run started with (its ``run`` record)."""
     for rec in wandb_records(run_file):
-        if rec.WhichOneof("record_type") == "config":
-            config.update({i.key: json.loads(i.value_json) for i in rec.config.update})
-    return config
+        if rec.WhichOneof("record_type") == "run":
+            return {_key(i): json.loads(i.value_json) for i in rec.run.config.update}
+    return {}
 
 
 def test_training_validates_and_reports_to_tensorboard_and_offline_wandb(tmp_path, monkeypatch):
