@@ -143,6 +143,7 @@ def test_builtin_probe_labels_agree_with_the_captions(small_builtin):
         assert captions[key]["raw"].endswith(train.classnames[label])
 
 
+@pytest.mark.slow
 def test_builtin_probe_beats_zero_shot_and_caches_features(small_builtin, tmp_path):
     from rwkv_clip.eval.linear_probe import evaluate_linear_probe
     from rwkv_clip.eval.zeroshot import evaluate_imagefolder

@@ -97,6 +97,7 @@ def _worker(rank, world, port, prefix, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_give_the_one_process_numbers(tmp_path):
     prefix = make_tiny_rec(tmp_path, n=11)  # odd: uneven shards
     one = _validate(prefix, 0, 1)
@@ -157,6 +158,7 @@ def wandb_config(run_file: Path) -> dict:
     return {}
 
 
+@pytest.mark.slow
 def test_training_validates_and_reports_to_tensorboard_and_offline_wandb(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
