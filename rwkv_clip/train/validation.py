@@ -215,7 +215,7 @@ class Validator:
         self.last_step: int | None = None
         self.loader, self.name = None, None
         data, fmt = getattr(args, "val_data", None), getattr(args, "val_data_format", None)
-        if data is None and args.data_format == "builtin" or data == "builtin":
+        if (data is None and args.data_format == "builtin") or data == "builtin":
             from ..data import ensure_builtin_dataset
             data, fmt = ensure_builtin_dataset(root=args.builtin_root).val_prefix, "rec"
         if data is None:
