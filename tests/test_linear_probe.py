@@ -107,6 +107,15 @@ def test_fewshot_probe_refits_on_k_shots_only():
     assert m["num_train"] == 8 and m["fewshot_k"] == 2 and m["lp_acc1"] > 0.9
 
 
+def test_two_class_probe_and_address_free_cache_keys():
+    from rwkv_clip.eval.feature_cache import describe_transform
+
+    train, test = clusters(10, 2, 4, 0.2, 0), clusters(5, 2, 4, 0.2, 1)
+    assert linear_probe(train, test, num_classes=2)["lp_acc1"] == 1.0
+    assert describe_transform(lambda x: x).startswith("<function ")
+    assert "0x" not in describe_transform(lambda x: x)
+
+
 def test_missing_scikit_learn_is_one_clear_error(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "sklearn.linear_model", None)
     train = clusters(5, 2, 4, 0.1, 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -38,6 +39,12 @@ def weights_fingerprint(model) -> str:
     return h.hexdigest()
 
 
+def describe_transform(transform) -> str:
+    """``repr(transform)`` without memory addresses (a lambda's or function's ``at 0x...``),
+    so the same transform gives the same key in every process."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(transform))
+
+
 def cache_key(meta: dict) -> str:
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -50,7 +57,8 @@ def cached_features(model, eval_set: ClassificationSet, split: str, cache_dir: s
     over the ranks, gathered on all) and written by rank 0."""
     info = info or current()
     meta = {"weights": fingerprint, "dataset": eval_set.name, "root": root, "split": split,
-            "num_samples": len(eval_set), "transform": repr(transform), "precision": precision}
+            "num_samples": len(eval_set), "transform": describe_transform(transform),
+            "precision": precision}
     path = Path(cache_dir) / f"{eval_set.name}_{split}_{cache_key(meta)}.pt"
     if path.is_file():
         saved = torch.load(path, map_location="cpu", weights_only=True)

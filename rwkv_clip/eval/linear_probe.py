@@ -96,10 +96,13 @@ def fit_logistic(train: Features, C: float, seed: int = 0):
 
 
 def class_logits(clf, features: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """(N, num_classes) log-probabilities; classes the fit never saw get -inf."""
-    logp = clf.predict_log_proba(features.double().numpy())
+    """(N, num_classes) class scores (the softmax's logits, so the same ranking as the
+    probabilities); classes the fit never saw get -inf."""
+    scores = np.asarray(clf.decision_function(features.double().numpy()), dtype=np.float64)
+    if scores.ndim == 1:  # two classes: scikit-learn returns the second class's margin
+        scores = np.stack([-scores / 2, scores / 2], axis=1)
     out = torch.full((features.shape[0], num_classes), float("-inf"), dtype=torch.float64)
-    out[:, torch.as_tensor(clf.classes_, dtype=torch.long)] = torch.from_numpy(logp)
+    out[:, torch.as_tensor(clf.classes_, dtype=torch.long)] = torch.from_numpy(scores)
     return out.float()
 
 
