@@ -46,8 +46,6 @@ class DistInfo:
     def is_master(self) -> bool:
         return self.rank == 0
 
-    is_main = is_master
-
     @property
     def collective_device(self) -> torch.device:
         """Where tensors for collectives live (NCCL: this GPU; gloo: CPU)."""
@@ -103,6 +101,37 @@ def launch_environment(environ: Mapping[str, str] | None = None
     return launcher, rank, local_rank, world_size
 
 
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times torchrun has restarted this job (``TORCHELASTIC_RESTART_COUNT``)."""
+    env = os.environ if environ is None else environ
+    try:
+        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def restarts_left(environ: Mapping[str, str] | None = None) -> int:
+    """How many more times torchrun (``--max-restarts``) will restart this job."""
+    env = os.environ if environ is None else environ
+    try:
+        total = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    except ValueError:
+        return 0
+    return max(0, total - restart_count(env))
+
+
+def _attempt_store(timeout: timedelta):
+    """torchrun's store for this attempt: the agent's store (``MASTER_ADDR:MASTER_PORT``)
+    under a prefix naming the restart. The agent keeps one store across restarts, so
+    without the prefix a restarted group would read the dead attempt's addresses."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           is_master=False, timeout=timeout)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return dist.PrefixStore(f"rwkv_clip/{run_id}/attempt_{restart_count()}", client)
+
+
 def _slurm_rendezvous(env: MutableMapping[str, str]) -> None:
     """MASTER_ADDR / MASTER_PORT for a plain ``srun`` launch, unless already set."""
     if not env.get("MASTER_ADDR"):
@@ -141,7 +170,16 @@ def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     return device
 
 
-def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
+DEFAULT_TIMEOUT_MINUTES = 10.0  # how long a collective waits for a stuck rank (--dist-timeout)
+# NCCL: a failed or timed-out collective aborts the communicators and raises in Python
+# ("clean up only"), so rwkv_clip.faults can name the lost rank and exit with status 3.
+# torchrun's default 1 tears the process down from the watchdog without that line; any
+# other value the user sets is kept.
+NCCL_ASYNC_ERROR_HANDLING = "2"
+
+
+def init_distributed(device: str = "auto",
+                     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> DistInfo:
     """Read the launch environment, pick the device, start the process group if the job
     has more than one process, and return this process's :class:`DistInfo`."""
     launcher, rank, local_rank, world_size = launch_environment()
@@ -153,9 +191,13 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> Dis
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if launcher == "slurm":
             _slurm_rendezvous(os.environ)
+        if backend == "nccl" and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                "1") == "1":
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
         if not dist.is_initialized():
+            timeout = timedelta(minutes=timeout_minutes)
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                    timeout=timedelta(minutes=timeout_minutes),
+                                    timeout=timeout, store=_attempt_store(timeout),
                                     device_id=dev if dev.type == "cuda" else None)
         else:
             backend = dist.get_backend()
@@ -207,4 +249,5 @@ def cleanup_distributed(info: DistInfo, synchronize: bool = True) -> None:
 
 
 __all__ = ["DistInfo", "init_distributed", "pick_device", "current", "barrier",
-           "any_rank_true", "cleanup_distributed", "launch_environment", "first_slurm_host"]
+           "any_rank_true", "cleanup_distributed", "launch_environment", "first_slurm_host",
+           "restart_count", "restarts_left"]

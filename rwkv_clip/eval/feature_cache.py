@@ -71,7 +71,7 @@ def cached_features(model, eval_set: ClassificationSet, split: str, cache_dir: s
     targets, features = encode_images_gathered(model, eval_set.dataset, device, batch_size,
                                                workers, precision, describe=eval_set.describe,
                                                info=info)
-    if info.is_main:
+    if info.is_master:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
         torch.save({"features": features, "targets": targets, "meta": meta}, tmp)

@@ -221,7 +221,7 @@ def evaluate_linear_probe(model, dataset: str, data_root, input_size: int,
         model.train(was_training)
     result = None
     with fail_together(info):  # the fit runs on rank 0; an error there stops every rank
-        if info.is_main:
+        if info.is_master:
             result = linear_probe(train, test, test_set.num_classes, fewshot_k,
                                   val_proportion, seed, log=log)
     if info.world_size > 1:
@@ -229,4 +229,6 @@ def evaluate_linear_probe(model, dataset: str, data_root, input_size: int,
         box = [result]
         dist.broadcast_object_list(box, src=0)
         result = box[0]
+    if result is None:
+        raise EvalError("the linear probe returned no result")
     return result

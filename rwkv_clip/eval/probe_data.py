@@ -15,6 +15,7 @@ the train side is the set's own training split, read with the same eval transfor
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -85,8 +86,8 @@ class BuiltinTrainImages(Dataset):
         from PIL import Image
 
         key, _, _, data = self.reader.read_item(index)
-        with Image.open(io.BytesIO(data)) as img:
-            img = img.convert("RGB")
+        with Image.open(io.BytesIO(data)) as raw:
+            img = raw.convert("RGB")
         return (self.transform(img) if self.transform else img), self.labels[int(key)]
 
 
@@ -139,14 +140,16 @@ def _train_dataset(name: str, root: Path, transform) -> Dataset:
         return _tv(name, root, lambda: tvd.OxfordIIITPet(str(root), split="trainval",
                                                          transform=transform))
     if name == "flowers":
-        return ConcatDataset([_tv(name, root, lambda s=s: tvd.Flowers102(
-            str(root), split=s, transform=transform)) for s in ("train", "val")])
+        return ConcatDataset([
+            _tv(name, root, functools.partial(tvd.Flowers102, str(root), split=s,
+                                              transform=transform)) for s in ("train", "val")])
     if name == "stanford_car":
         return _tv(name, root, lambda: tvd.StanfordCars(str(root), split="train",
                                                         transform=transform))
     if name == "dtd":
-        return ConcatDataset([_tv(name, root, lambda s=s: tvd.DTD(
-            str(root), split=s, partition=1, transform=transform)) for s in ("train", "val")])
+        return ConcatDataset([
+            _tv(name, root, functools.partial(tvd.DTD, str(root), split=s, partition=1,
+                                              transform=transform)) for s in ("train", "val")])
     if name == "aircraft":
         return _tv(name, root, lambda: tvd.FGVCAircraft(str(root), split="trainval",
                                                         annotation_level="variant",
@@ -160,10 +163,10 @@ def _train_dataset(name: str, root: Path, transform) -> Dataset:
         return _Subset(full, train_idx)
     if name == "sun397":
         _require(name, root, [root / "SUN397" / "ClassName.txt"], layout)
-        full = SUN397Images(root, transform)
-        n = len(full)
+        sun = SUN397Images(root, transform)
+        n = len(sun)
         train_idx, _, _ = random_split_indices(n, [19850, 19850, n - 2 * 19850], SUN397_SEED)
-        return _Subset(full, train_idx)
+        return _Subset(sun, train_idx)
     if name == "imagenet":
         from .datasets import ImageListDataset, scan_image_folder
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..config import model_args_from_dict
+from ..config import ModelArgs
 from ..errors import ConfigError
 from ..layers.time_mix import TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM
 
@@ -76,11 +76,11 @@ class ParamTable:
 def parameter_table(args: Any) -> ParamTable:
     """The parameters of ``create_RWKV_Model(args)``, read from the model built on the meta
     device (shapes and dtypes only: nothing is allocated, the WKV op is not called)."""
-    from ..model import create_RWKV_Model
+    from ..factory import build_model
     if isinstance(args, dict):
-        args = model_args_from_dict(args, source="memory planner config")
+        args = ModelArgs.from_dict(args, source="memory planner config")
     with torch.device("meta"):
-        model = create_RWKV_Model(args)
+        model = build_model(args)
     return ParamTable.from_model(model)
 
 
@@ -242,8 +242,8 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     P = lambda numel, dt="fp32": Sym(numel, dt, param=True)
     x = w.glue(a)                                        # the glue's dtype (autocast's)
     sh = w.new(n, x.dtype)                               # token shift: one copy
-    xxx = w.lerp(x, sh, w.glue(P(C)))                    # lerp(x, shift(x), time_maa_x)
-    m1 = w.matmul(xxx, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
+    mix_input = w.lerp(x, sh, w.glue(P(C)))                    # lerp(x, shift(x), time_maa_x)
+    m1 = w.matmul(mix_input, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
     t1 = w.unary_saves_result(m1)                        # tanh
     mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm: (5,B,T,C)
     maa = w.glue(Sym(5 * C, "fp32"))                     # cat of time_maa_w/k/v/r/g

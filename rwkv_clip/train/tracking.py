@@ -111,7 +111,8 @@ class WandbRun:
         id_file.write_text(run_id + "\n")
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb_reachable() else "offline")
         self.run = wandb.init(project=args.wandb_project_name, name=args.name, id=run_id,
-                              dir=str(args.output), config=run_config(args), mode=mode,
+                              dir=str(args.output), config=run_config(args),
+                              mode=mode,  # type: ignore[arg-type]
                               resume="allow", settings=wandb.Settings(silent=True))
         if log is not None:
             where = getattr(self.run, "dir", folder)

@@ -223,7 +223,7 @@ class Validator:
         fmt = fmt or infer_format(data)
         self.name = data
         self.loader = build_val_loader(data, fmt, args, info, log=None)
-        if info.is_main:
+        if info.is_master:
             log.info(f"validation: {self.loader.num_samples} held-out pairs in {data} "
                      f"(raw captions), every {args.val_frequency or 'last'} epoch(s)")
 
@@ -237,7 +237,7 @@ class Validator:
         self.last_step = step
         record = {"epoch": epoch, "step": step, "start_step": self.start_step, **metrics}
         self.history.append(record)
-        if self.info.is_main:
+        if self.info.is_master:
             self.log.info(f"validation ({tag}) on {self.name}: {describe(metrics)}")
             self.trackers.scalars(step, **board_scalars(metrics))
             append_result(self.args.output, record)
