@@ -1,7 +1,8 @@
 """A one-page picture of a training run: ``RUN_DIR/report.png``.
 
-Panels: the training loss and the learning rate against the optimizer step, the zero-shot
-top-1 (and top-5) accuracy of every evaluation, and, when the run was evaluated on an
+Panels: the training loss (and the validation loss) and the learning rate against the
+optimizer step, the zero-shot top-1 (and top-5) accuracy of every evaluation, the
+validation retrieval recall (``results.jsonl``, when the run validated), and, when the run was evaluated on an
 image folder of at most :data:`MAX_CONFUSION_CLASSES` classes (the built-in set's 30), the
 confusion matrix of the held-out images and a grid of them with their top-3 predictions.
 
@@ -240,8 +241,11 @@ def _spread(items: list, k: int) -> list:
 
 
 def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
-                out_path: str | os.PathLike, title: str = "") -> Path:
-    """Draw the panels into ``out_path`` (PNG) and return its path."""
+                out_path: str | os.PathLike, title: str = "",
+                validation: list[dict] | None = None) -> Path:
+    """Draw the panels into ``out_path`` (PNG) and return its path. ``validation``: the
+    run's held-out records (``rwkv_clip.train.validation.read_results``), drawn on the
+    loss panel and in a retrieval-recall panel."""
     try:
         import matplotlib
     except ImportError:
@@ -252,12 +256,13 @@ def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
 
     show_predictions = (predictions is not None
                         and len(predictions["classnames"]) <= MAX_CONFUSION_CLASSES)
-    fig = plt.figure(figsize=(18, 12 if show_predictions else 5), dpi=80)
+    cols = 4 if validation else 3
+    fig = plt.figure(figsize=(6 * cols, 12 if show_predictions else 5), dpi=80)
     rows = 2 if show_predictions else 1
-    grid = fig.add_gridspec(rows, 3, height_ratios=[1, 2.2] if show_predictions else [1])
+    grid = fig.add_gridspec(rows, cols, height_ratios=[1, 2.2] if show_predictions else [1])
 
     # one point draws no line: mark it
-    ax = fig.add_subplot(grid[0, 0])
+    ax = loss_ax = fig.add_subplot(grid[0, 0])
     ax.plot(curves.steps, curves.loss, color="tab:blue",
             marker="o" if len(curves.steps) == 1 else None)
     ax.set(title="training loss (mean over each logged interval)", xlabel="optimizer step",
@@ -271,11 +276,14 @@ def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
     ax.grid(alpha=0.3)
     ax = fig.add_subplot(grid[0, 2])
     _accuracy_panel(ax, curves)
+    if validation:
+        from .train.validation import plot_validation
+        plot_validation(loss_ax, fig.add_subplot(grid[0, 3]), validation)
 
     if show_predictions:
         assert predictions is not None
-        _confusion_panel(fig.add_subplot(grid[1, :2]), predictions)
-        sub = grid[1, 2].subgridspec(4, 4, hspace=0.55, wspace=0.1)
+        _confusion_panel(fig.add_subplot(grid[1, :cols - 1]), predictions)
+        sub = grid[1, cols - 1].subgridspec(4, 4, hspace=0.55, wspace=0.1)
         names = predictions["classnames"]
         for i, s in enumerate(pick_grid_samples(predictions)):
             ax = fig.add_subplot(sub[i // 4, i % 4])
@@ -374,10 +382,16 @@ def write_report(run_dir: str | os.PathLike, model=None, zero_shot_dir: str | No
         with open(tmp, "w") as f:
             json.dump(predictions, f, indent=1)
         os.replace(tmp, pred_path)
+    from .train.validation import read_results
+
+    validation = read_results(run_dir)
     title = f"{run_dir.name}: {curves.steps[-1] if curves.steps else 0} steps"
     if curves.zero_shot:
         title += f", zero-shot top-1 {curves.zero_shot[-1][2]:.1f}%"
-    return draw_report(curves, predictions, out_path or run_dir / REPORT_NAME, title)
+    if validation:
+        title += f", validation loss {validation[-1]['clip_val_loss']:.3f}"
+    return draw_report(curves, predictions, out_path or run_dir / REPORT_NAME, title,
+                       validation)
 
 
 def _model_device(model) -> torch.device:

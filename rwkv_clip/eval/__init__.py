@@ -1,5 +1,6 @@
 """Zero-shot evaluation of RWKV-CLIP: classification on the paper's 11 sets or any image
-folder, image-text retrieval (MSCOCO, Flickr30k, JSONL), CLIP_benchmark-shaped results.
+folder, image-text retrieval (MSCOCO, Flickr30k, JSONL), the linear probe, CLIP_benchmark-shaped
+results.
 
 Training-loop use::
 
@@ -21,6 +22,7 @@ from .datasets import (
                        image_folder_set,
                        load_templates,
 )
+from .linear_probe import Features, evaluate_linear_probe, linear_probe
 from .metrics import (
                        accuracy,
                        classification_metrics,
@@ -40,5 +42,5 @@ __all__ = [
     "mean_per_class_recall", "retrieval_metrics", "result_record", "summary", "write_result",
     "RetrievalSet", "build_retrieval_set", "evaluate_retrieval", "load_retrieval_file",
     "build_classifier", "evaluate_classification", "evaluate_imagefolder", "eval_transform",
-    "ImageNetEvalTransform",
+    "ImageNetEvalTransform", "Features", "evaluate_linear_probe", "linear_probe",
 ]

@@ -37,6 +37,7 @@ Examples:
       --data-root /data
   python zero_shot.py --model-weight w.pt --dataset imagefolder --data-root my_images/
   python zero_shot.py --model-weight w.pt --task zeroshot_retrieval --retrieval-file pairs.jsonl
+  python zero_shot.py --model-weight w.pt --task linear_probe --dataset builtin
 Retrieval on MSCOCO / Flickr30k: text_image_retrieval.py (or --dataset mscoco,flickr30k here).
 """
 RETRIEVAL_EXAMPLES = """\
@@ -83,7 +84,8 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
                    help="torch.compile encode_image / encode_text (open_clip's flag); the "
                         "first batches include the compilation")
     g.add_argument("--seed", type=int, default=1024,
-                   help="seed for the random init when no weights are given (default 1024)")
+                   help="seed for the random init when no weights are given and for the "
+                        "linear probe's splits (default 1024)")
 
     g = p.add_argument_group("data")
     if retrieval:
@@ -123,9 +125,21 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
                        help="caltech101: the original's random 3000/5677 split with seed 3072 "
                             "(evaluates the 5677) or all 8677 images")
         g.add_argument("--task", default="zeroshot_classification",
-                       choices=("zeroshot_classification", "zeroshot_retrieval"),
+                       choices=("zeroshot_classification", "zeroshot_retrieval", "linear_probe"),
                        help="task for sets that do not imply one (mscoco/flickr30k/jsonl are "
-                            "always retrieval)")
+                            "always retrieval). linear_probe: logistic regression on frozen "
+                            "image features of the set's train split (builtin, imagefolder "
+                            "with train/ and test/, the paper's sets), CLIP's protocol")
+        g.add_argument("--fewshot-k", type=int, default=-1, metavar="K",
+                       help="linear probe: K training images per class (seeded by --seed); "
+                            "-1: the whole train split")
+        g.add_argument("--val-proportion", type=float, default=0.2, metavar="P",
+                       help="linear probe: share of the train split held out to choose the "
+                            "L2 regularisation (then refit on the whole split)")
+        g.add_argument("--feature-root", default=None, metavar="DIR",
+                       help="linear probe: where frozen features are cached, keyed by the "
+                            "weights, dataset, split and transform (default: "
+                            "$RWKV_CLIP_CACHE/features, else ~/.cache/rwkv_clip/features)")
 
     g = p.add_argument_group("run")
     g.add_argument("--batch-size", type=int, default=64,
@@ -195,6 +209,10 @@ def parse_options(argv: Sequence[str] | None = None, retrieval: bool = False
             and str(opts.model_weight) != str(opts.pretrained)):
         raise EvalError(f"--model-weight {opts.model_weight} and --pretrained "
                         f"{opts.pretrained} name different weights: give one")
+    if not retrieval and not 0.0 < opts.val_proportion < 1.0:
+        raise EvalError(f"--val-proportion must lie in (0, 1), got {opts.val_proportion}")
+    if not retrieval and (opts.fewshot_k == 0 or opts.fewshot_k < -1):
+        raise EvalError(f"--fewshot-k must be -1 (all) or >= 1, got {opts.fewshot_k}")
     if retrieval:
         opts.task = "zeroshot_retrieval"
         opts.templates = None

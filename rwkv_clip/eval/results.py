@@ -20,11 +20,12 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-TASKS = ("zeroshot_classification", "zeroshot_retrieval")
+TASKS = ("zeroshot_classification", "zeroshot_retrieval", "linear_probe")
 REQUIRED_KEYS = ("dataset", "model", "pretrained", "task", "metrics")
 # Keys of an evaluate_* result that describe the run rather than measure the model: they go
 # to the top level of the record so that "metrics" holds only CLIP_benchmark's numbers.
-INFO_KEYS = ("headline_metric", "headline", "num_samples", "num_images", "num_texts")
+INFO_KEYS = ("headline_metric", "headline", "num_samples", "num_images", "num_texts",
+             "num_train")
 
 
 def result_record(dataset: str, model: str, pretrained: str, task: str, results: dict,
@@ -104,6 +105,16 @@ def retrieval_table(records: Sequence[dict]) -> str:
     return _format(rows)
 
 
+def linear_probe_table(records: Sequence[dict]) -> str:
+    rows = [("dataset", "train", "test", "acc1", "acc5", "mean-per-class", "C")]
+    for r in records:
+        m = r["metrics"]
+        rows.append((r["dataset"], str(r.get("num_train", "")), str(r.get("num_samples", "")),
+                     _pct(m["lp_acc1"]), _pct(m.get("lp_acc5")),
+                     _pct(m["lp_mean_per_class_recall"]), f"{m['C']:.3g}"))
+    return _format(rows)
+
+
 def _format(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
@@ -122,17 +133,22 @@ def summary(records: Iterable[dict]) -> str:
         parts.append("Zero-shot classification (%)\n" + classification_table(cls))
     if ret:
         parts.append("Zero-shot retrieval (%)\n" + retrieval_table(ret))
+    probe = [r for r in records if r["task"] == "linear_probe"]
+    if probe:
+        parts.append("Linear probe (%)\n" + linear_probe_table(probe))
     return "\n\n".join(parts)
 
 
 def score_line(records: Iterable[dict]) -> str:
     """The original's line: 100 x the paper metric of each classification set, comma
-    separated; for retrieval sets I2T R@1,5,10 then T2I R@1,5,10 of each set."""
+    separated (linear probe: its top-1); for retrieval sets I2T R@1,5,10 then T2I R@1,5,10 of each set."""
     values: list[float] = []
     for r in records:
         m = r["metrics"]
         if r["task"] == "zeroshot_classification":
             values.append(headline(r))
+        elif r["task"] == "linear_probe":
+            values.append(m["lp_acc1"])
         else:
             values.extend(m[f"text_retrieval_recall@{k}"] for k in (1, 5, 10))
             values.extend(m[f"image_retrieval_recall@{k}"] for k in (1, 5, 10))

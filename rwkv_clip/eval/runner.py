@@ -95,7 +95,9 @@ def dataset_plan(opts) -> list[tuple[str, str]]:
     plan = []
     for n in names:
         key = n.lower()
-        if key in RETRIEVAL_ALIASES or key in ("jsonl",) or (
+        if opts.task == "linear_probe" and key not in RETRIEVAL_ALIASES and key != "jsonl":
+            plan.append((canonical_name(key), "linear_probe"))
+        elif key in RETRIEVAL_ALIASES or key in ("jsonl",) or (
                 opts.task == "zeroshot_retrieval" and key not in PAPER_DATASETS):
             plan.append((RETRIEVAL_ALIASES.get(key, key), "zeroshot_retrieval"))
         else:
@@ -217,6 +219,12 @@ def _run(opts, info: DistInfo, watch: faults.PeerWatch | None = None) -> list[di
             log(info, f"{eval_set.name}: {len(eval_set)} images, {eval_set.num_classes} classes, "
                       f"{len(eval_set.templates)} templates; {protocol(name)}")
             metrics = evaluate_classification(model, eval_set, **common)
+        elif task == "linear_probe":
+            from .linear_probe import evaluate_linear_probe
+            metrics = evaluate_linear_probe(
+                model, name, opts.data_root, size, device, opts.batch_size, opts.workers,
+                compute, opts.fewshot_k, opts.val_proportion, opts.seed, opts.feature_root,
+                info, log=lambda msg: log(info, msg))
         else:
             rset = build_retrieval_set(name, opts.data_root, opts.retrieval_file,
                                        opts.caption_prefix)
@@ -246,7 +254,8 @@ def options(**kwargs) -> SimpleNamespace:
                 task="zeroshot_classification", batch_size=64, text_batch_size=256, workers=0,
                 precision="fp32", amp=None, output_dir=None, score_file=None,
                 device=None, dist_timeout=DEFAULT_DIST_TIMEOUT,
-                wkv_backend=None, torchcompile=False, caltech101_split="original", seed=1024)
+                wkv_backend=None, torchcompile=False, caltech101_split="original", seed=1024,
+                fewshot_k=-1, val_proportion=0.2, feature_root=None)
     base.update({k: None for k in ARCH_FLAGS})
     base.update(kwargs)
     return SimpleNamespace(**base)

@@ -29,6 +29,8 @@ from ..errors import EXIT_USER_ERROR, CheckpointError, ConfigError, TrainArgsErr
 from ..faults import DEFAULT_DIST_TIMEOUT
 from ..precision import PRECISIONS
 from ..pretrained import published_config
+from .tracking import add_tracking_flags, resolve_tracking
+from .validation import add_validation_flags, resolve_validation
 
 # Config keys that are training options with their own flag (flag name -> config key).
 SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "workers",
@@ -223,10 +225,13 @@ def build_train_parser() -> argparse.ArgumentParser:
                    help="image folder (classnames.json, templates.json) for zero-shot; "
                         "default: the built-in held-out split with --data-format builtin")
     _bool_flag(g, "--final-zero-shot", True, "evaluate zero-shot after training")
-    _bool_flag(g, "--tensorboard", True, "write TensorBoard scalars to OUTPUT/tensorboard")
+    _bool_flag(g, "--tensorboard", True, "write TensorBoard scalars to OUTPUT/tensorboard "
+                                         "(False: drop tensorboard from --report-to)")
     _bool_flag(g, "--progress", True, "tqdm progress bar on rank 0")
     add_run_safety_flags(p)
     add_loss_flags(p)
+    add_validation_flags(p)
+    add_tracking_flags(p)
 
     g = p.add_argument_group("compilation (open_clip's flag)")
     g.add_argument("--torchcompile", action="store_true", default=False,
@@ -280,6 +285,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise TrainArgsError("--resume and --pretrained exclude each other: resume restores "
                              "weights and optimizer; pretrained starts a fresh run from weights")
 
+    resolve_tracking(args)
+    resolve_validation(args)
     model, args.config_source = resolve_model_config(args)
     args.model_config = {k: v for k, v in model.to_dict().items() if k not in NOT_MODEL_KEYS}
     for k, v in args.model_config.items():

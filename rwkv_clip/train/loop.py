@@ -10,8 +10,9 @@ Order of events (every rank unless noted):
 4. ``--resume``: model, optimizer, scaler, counters, data position, RNG states; then DDP;
 5. epochs of optimizer steps: K micro-batches (``--gradient-acc``, exact or mean
    accumulation) with DDP's gradient sync on the last one, clipping, one optimizer step at
-   ``lr_at(step)``, the speed line, step and epoch checkpoints, optional zero-shot;
-6. final checkpoint, final zero-shot accuracy, clean shutdown.
+   ``lr_at(step)``, the speed line, step and epoch checkpoints, optional zero-shot and
+   validation (``rwkv_clip.train.validation``);
+6. final checkpoint, final validation and zero-shot accuracy, clean shutdown.
 """
 from __future__ import annotations
 
@@ -57,7 +58,6 @@ from . import checkpoint as ckpt_io
 from .accumulation import StepResult, caption_generator, make_micro_batches, train_step
 from .args import warn_ignored
 from .logger import (
-    Board,
     SpeedLogger,
     close_logging,
     progress_bar,
@@ -65,6 +65,8 @@ from .logger import (
 )
 from .rng import capture_rng, restore_rng
 from .schedule import lr_at, set_lr
+from .tracking import Trackers
+from .validation import Validator
 
 if TYPE_CHECKING:
     from ..data.loader import LoaderArgs
@@ -245,6 +247,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
     save = functools.partial(save_run_checkpoint, model=model, optimizer=optimizer, scaler=scaler,
                              args=args, info=info, log=log, total_steps=data.total_steps)
     logs = Logs(args, info, log, state.step, data.total_steps, data.steps_per_epoch)
+    validator = Validator(args, info, log, logs.board, state.step)
     k = args.gradient_acc
     epoch_batches = data.steps_per_epoch * k  # leftover batches (< K) make no step
     if state.epoch > 0:  # a resumed run: the loader starts at the checkpoint's epoch
@@ -314,6 +317,8 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
                                     f"epoch {state.epoch}")
                 state.zero_shot_history.append({"epoch": state.epoch, "step": state.step,
                                                 **(metrics or {})})
+            if validator.due(state.epoch):
+                validator.run(model, state.step, state.epoch, f"epoch {state.epoch}")
         if state.step != state.last_saved_step:  # stopped inside an epoch (--max-steps)
             save(f"step_{state.step}.pt", state)
     except Interrupted:
@@ -336,6 +341,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
         logs.close_bar()
         del ddp_model  # before the process group goes (gloo aborts otherwise)
         gc.collect()
+    validator.finish(model, state.step, state.epoch)
     final = None
     last = state.zero_shot_history[-1] if state.zero_shot_history else {}
     if args.final_zero_shot and last.get("step") == state.step and "acc1" in last:
@@ -343,7 +349,9 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
     elif args.final_zero_shot:
         final = zero_shot(model, data, args, info, log, logs, state.step, "final")
     logs.close()
-    return summarise(state, model, final, logs.elapsed(), info, log, args, data.zero_shot_dir)
+    summary = summarise(state, model, final, logs.elapsed(), info, log, args, data.zero_shot_dir)
+    summary["validation"] = validator.history
+    return summary
 
 
 # ----------------------------------------------------------------------------- setup
@@ -594,7 +602,7 @@ class Logs:
     def __init__(self, args, info: DistInfo, log, step: int, total_steps: int,
                  steps_per_epoch: int) -> None:
         self.info, self.log = info, log
-        self.board = Board(args.output, args.tensorboard and info.is_master)
+        self.board = Trackers(args, info.is_master, log.info)
         self.speed = SpeedLogger(args.log_every, total_steps, info.world_size, start_step=step,
                                  fmt=args.log_format, steps_per_epoch=steps_per_epoch)
         self.bar = progress_bar(total_steps, step, args.progress and info.is_master)
