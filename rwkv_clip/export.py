@@ -1,6 +1,7 @@
 """``python -m rwkv_clip.export CHECKPOINT OUT.pt|OUT.safetensors [--ddp-prefix]``: the plain
 model state dict people publish, from one of our training checkpoints (which also hold
-optimizer and schedule state, about 3x the size) or any weights file we can load.
+optimizer and schedule state, about 3x the size) or any weights file we can load; a LoRA
+checkpoint with ``--merge-lora`` (its adapters merged into the weights).
 
 The keys are the original's names (``--ddp-prefix``: with the ``module.`` prefix its
 loader expects, as its ``torch.save(ddp_model.state_dict())`` wrote them), in the model's
@@ -24,17 +25,18 @@ from .errors import CheckpointError, ConfigError, run_cli
 DDP_PREFIX = "module."
 
 
-def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None
-                      ) -> tuple[dict[str, torch.Tensor], str]:
+def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None,
+                      merge_lora: bool = False) -> tuple[dict[str, torch.Tensor], str]:
     """``(state dict in the model's key order and dtypes, config name or path)`` of
     ``checkpoint`` (a file or a pretrained name); the config is inferred from the
-    parameter shapes unless given."""
+    parameter shapes unless given. A LoRA checkpoint needs ``merge_lora`` (its adapters
+    folded into the weights, :func:`rwkv_clip.lora.merge_state_dict`)."""
     from .config import load_model_configs
     from .model import check_state_dict, create_RWKV_Model, read_state_dict
     from .pretrained import infer_config, model_config, resolve_pretrained
 
     weights = resolve_pretrained(checkpoint)
-    state = read_state_dict(weights.path)
+    state = read_state_dict(weights.path, merge_lora=merge_lora)
     if config is not None:
         config = model_config(config)
     else:
@@ -92,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ddp-prefix", action="store_true",
                    help="prefix every key with 'module.', as the original's "
                         "torch.save(ddp_model.state_dict()) (what its loader expects)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA training checkpoint (train.py --lora-rank): write the "
+                        "weights with its adapters merged in (W + alpha/r B A)")
     p.add_argument("--config", default=None, metavar="JSON|NAME",
                    help="model config the weights must fit (default: inferred from the "
                         "parameter shapes among the shipped configs)")
@@ -103,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(opts.out)
     if out.suffix.lower() not in (".pt", ".pth", ".safetensors"):
         raise CheckpointError(f"output {out}: expected a .pt or .safetensors file name")
-    state, config = export_state_dict(opts.checkpoint, opts.config)
+    state, config = export_state_dict(opts.checkpoint, opts.config, opts.merge_lora)
     sha = save_state_dict(state, out, opts.ddp_prefix)
     count = sum(v.numel() for v in state.values())
     print(f"wrote {out}: {count:,} parameters in {len(state)} tensors (config {config}"

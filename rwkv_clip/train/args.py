@@ -20,6 +20,7 @@ from typing import Any
 
 from ..config import ConfigError, ModelArgs, parse_bool, read_config_json
 from ..errors import EXIT_USER_ERROR, TrainArgsError, report
+from ..lora import add_lora_flags, check_lora_args
 from ..precision import PRECISIONS
 
 DEFAULT_CONFIG = "RWKV_CLIP_small"
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(g, "--final-zero-shot", True, "evaluate zero-shot after training")
     _bool_flag(g, "--tensorboard", True, "write TensorBoard scalars to OUTPUT/tensorboard")
     _bool_flag(g, "--progress", True, "tqdm progress bar on rank 0")
+    add_lora_flags(p)
     add_run_safety_flags(p)
 
     g = p.add_argument_group("compilation (open_clip's flag)")
@@ -270,6 +272,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         setattr(args, k, v)
     args.workers = model.workers
     args.open_checkpoint = model.with_cp
+    check_lora_args(args)
 
     if args.data_format is None:
         if args.train_data is None:

@@ -41,6 +41,7 @@ from ..distributed import (
     pick_device,
 )
 from ..errors import ResumeError, RWKVCLIPError, TrainArgsError, TrainingError, run_cli
+from ..lora import LoraSettings, add_adapters, parameter_counts
 from ..loss import ClipLoss
 from ..model import load_model_weight
 from ..precision import get_precision
@@ -320,10 +321,12 @@ def build_model(args, info: DistInfo, log) -> torch.nn.Module:
         load_model_weight(model, args.pretrained)
         log.info(f"initial weights from {args.pretrained}")
     lock_towers(model, args, log)
+    add_lora_adapters(model, args, log)
     model.set_grad_checkpointing(bool(args.open_checkpoint))
     model.to(info.device).train()
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info(f"RWKV-CLIP: {n_params:,} parameters, precision {args.precision}, "
+    trainable, n_params = parameter_counts(model)
+    log.info(f"RWKV-CLIP: {n_params:,} parameters, {trainable:,} trainable "
+             f"({100 * trainable / n_params:.2f}%), precision {args.precision}, "
              f"activation checkpointing {'on' if args.open_checkpoint else 'off'}")
     seed_everything(args.seed + 1 + info.rank)  # per-rank dropout / drop-path streams
     return model
@@ -628,6 +631,18 @@ def lock_towers(model: torch.nn.Module, args, log) -> None:
             for p in getattr(model, tower).parameters():
                 p.requires_grad_(False)
             log.info(f"{tower} locked (frozen)")
+
+
+def add_lora_adapters(model: torch.nn.Module, args, log) -> None:
+    """``--lora-rank``: adapters in the towers that are not locked (:mod:`rwkv_clip.lora`)."""
+    settings = LoraSettings.from_args(args)
+    if settings is None:
+        return
+    towers = tuple(t for t, locked in (("image_model", args.lock_image),
+                                       ("text_model", args.lock_text)) if not locked)
+    names = add_adapters(model, settings, towers)
+    log.info(f"{settings.describe()}: {len(names)} adapted layers in {', '.join(towers)}; "
+             "every other weight frozen")
 
 
 def loader_args(args, info: DistInfo, train_data: str, data_format: str) -> SimpleNamespace:
