@@ -153,14 +153,15 @@ class PeakRSS:
         return False
 
 
-def _warm_up_cpu(wkv_backend: str | None) -> None:
-    """Touch the code paths (libraries, kernels, thread pools) with a throwaway tiny
-    model, so the measured RSS growth is tensors rather than code pages."""
+def _warm_up_cpu(wkv_backend: str | None, finetune: dict | None = None) -> None:
+    """Touch the code paths (libraries, kernels, thread pools; peft's LoRA layers) with a
+    throwaway tiny model, so the measured RSS growth is tensors rather than code pages."""
     from ..config import config_dir
     tiny = config_dir() / "RWKV_CLIP_tiny.json"
     if not tiny.is_file():
         return
     args, model = build_model(str(tiny), "cpu", False, wkv_backend)
+    apply_finetune(model, finetune)
     step = make_step(model, "fp32", "cpu")
     images, tokens = synthetic_batch(args, 2, "cpu")
     for _ in range(2):
@@ -220,7 +221,7 @@ def run_measurement(spec: MeasureSpec) -> dict:
     args = load_model_configs(spec.config)  # a bad config fails before the warm-up
     dev = torch.device(spec.device)
     if dev.type == "cpu":
-        _warm_up_cpu(spec.wkv_backend)
+        _warm_up_cpu(spec.wkv_backend, spec.finetune)
         base_kib = rss_kib()
     else:
         torch.cuda.init()

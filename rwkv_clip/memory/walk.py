@@ -222,8 +222,8 @@ class Walker:
     def _adapter(self, x: Sym, n_in: int, n_out: int, rank: int, out: Sym) -> Sym:
         """peft's LoRA branch ``out + lora_B(lora_A(dropout(x))) * scaling`` (fp32
         adapters; a product with a Python number saves nothing)."""
-        if self.lora_dropout > 0:
-            self.save(Sym(x.n, "bool"))                  # the dropout mask
+        if self.lora_dropout > 0:  # the mask: bool on CUDA (native_dropout), else x * noise
+            self.save(Sym(x.n, "bool" if self.device == "cuda" else x.dtype))
             x = self.new(x.n, x.dtype, x.rg)
         a = Sym(n_in * rank, "fp32", param=True)
         b = Sym(rank * n_out, "fp32", param=True)
@@ -232,14 +232,12 @@ class Walker:
         return self.new(out.n, out.dtype)
 
     def lerp(self, start: Sym, end: Sym, weight: Sym, stacked: int = 1) -> Sym:
-        """torch.lerp(start, end, weight): d/dstart = 1 - weight and d/dend = weight save
-        the weight, d/dweight = end - start saves start and end. ``stacked``: a
-        weight with a leading (stacked, 1, ...) dimension broadcasts start/end (B, T, C)
-        into that many lerps in one (stacked, B, T, C) result."""
-        if start.rg or end.rg:
-            self.save(weight)
-        if weight.rg:
-            self.save(start, end)
+        """:func:`rwkv_clip.layers.lerp.lerp`: saves all three whenever one needs a
+        gradient. ``stacked``: a weight with a leading (stacked, 1, ...) dimension
+        broadcasts start/end (B, T, C) into that many lerps in one (stacked, B, T, C)
+        result."""
+        if start.rg or end.rg or weight.rg:
+            self.save(start, end, weight)
         return self.new(stacked * max(start.n, end.n),
                         _promote(_promote(start.dtype, end.dtype), weight.dtype),
                         start.rg or end.rg or weight.rg)
