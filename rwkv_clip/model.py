@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import lora
 from .config import ModelArgs, complete_args
 from .errors import CheckpointError
-from . import lora
 from .image_rwkv import Image_RWKV
 from .layers.time_mix import TimeMixBase
 from .text_rwkv import Text_RWKV

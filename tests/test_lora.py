@@ -37,7 +37,9 @@ def _is_adapter(key):
     return ".lora_A." in key or ".lora_B." in key
 
 
-@pytest.mark.parametrize("mode", ["lora", "lora+lock-image", "lock-image", "lora-bf16-base"])
+@pytest.mark.parametrize("mode", ["lora", pytest.param("lora+lock-image", marks=pytest.mark.slow),
+                                  pytest.param("lock-image", marks=pytest.mark.slow),
+                                  "lora-bf16-base"])
 def test_only_adapters_and_unlocked_parameters_change(tmp_path, tiny_rec, base_weights, mode):
     flags = {"lora": ["--lora-rank", "4"],
              "lora+lock-image": ["--lora-rank", "4", "--lock-image"],
@@ -200,3 +202,48 @@ def test_lora_checkpoint_without_settings_is_refused(tmp_path):
     torch.save(model.state_dict(), path)
     with pytest.raises(CheckpointError, match="holds LoRA adapter weights but not their settings"):
         read_state_dict(path)
+
+
+@pytest.mark.slow
+def test_lora_ddp_two_processes(tmp_path, tiny_rec, base_weights):
+    """torchrun, 2 CPU processes (gloo), accumulation 2: the adapters train, both ranks
+    agree (DDP reduces only their gradients), the base stays as loaded."""
+    import os
+    import subprocess
+
+    from train_util import REPO
+    out_dir = tmp_path / "out"
+    argv = tiny_argv(out_dir, tiny_rec, "--pretrained", base_weights, "--batch-size", "4",
+                     "--gradient-acc", "2", "--max-steps", "2", "--lora-rank", "4")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                          "2", "--master-port", str(29500 + os.getpid() % 1000 + 1),
+                          str(REPO / "train.py"), *argv], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Traceback" not in run.stdout + run.stderr
+    log = (out_dir / "training.log").read_text()
+    assert "backend gloo" in log and "adapted layers" in log
+    state = torch.load(out_dir / "checkpoints" / "epoch_latest.pt", weights_only=True)
+    assert state["step"] == 2
+    weights = state["state_dict"]
+    base = torch.load(base_weights, weights_only=True)
+    assert all(torch.equal(v, base[k.replace(".base_layer.", ".")])
+               for k, v in weights.items() if not _is_adapter(k))
+    assert all(v.abs().max() > 0 for k, v in weights.items() if ".lora_B." in k)
+
+
+@pytest.mark.slow
+def test_compiled_lora_step_matches_eager(tmp_path, tiny_rec, base_weights):
+    common = ("--pretrained", base_weights, "--max-steps", "1", "--lr-scheduler", "linear",
+              "--lora-rank", "4", "--lr", "1e-2")
+    eager = main(parse_args(tiny_argv(tmp_path / "eager", tiny_rec, *common)))
+    compiled = main(parse_args(tiny_argv(tmp_path / "compiled", tiny_rec, *common,
+                                         "--torchcompile")))
+    state = torch.load(tmp_path / "compiled" / "checkpoints" / "epoch_latest.pt",
+                       weights_only=True)["state_dict"]
+    assert not any("_orig_mod." in k for k in state) and any(_is_adapter(k) for k in state)
+    a, b = _weights(eager["model"]), _weights(compiled["model"])
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert max(b[k].abs().max().item() for k in b if ".lora_B." in k) > 1e-4

@@ -10,8 +10,13 @@ import torch.nn.functional as F
 from train_util import TINY_CONFIG, tiny_model
 
 from rwkv_clip import ClipLoss, load_model_configs
-from rwkv_clip.memory import activation_segments, measure, parameter_table, synthetic_batch
-from rwkv_clip.memory import training_peak
+from rwkv_clip.memory import (
+    activation_segments,
+    measure,
+    parameter_table,
+    synthetic_batch,
+    training_peak,
+)
 from rwkv_clip.memory.cli import run as run_planner
 from rwkv_clip.memory.finetune import FineTune
 from rwkv_clip.memory.measure import apply_finetune
@@ -91,6 +96,7 @@ def test_lora_needs_less_than_full_and_locking_less_still():
     assert peak["lock-image"]["activation_bytes"] < full["activation_bytes"] / 2
 
 
+@pytest.mark.slow
 def test_cli_prints_the_table_by_way_of_fine_tuning(repo_root):
     out = subprocess.run([sys.executable, "-m", "rwkv_clip.memory", "--config", TINY_CONFIG,
                           "--batch-size", "64", "--precision", "bf16", "--lora-rank", "8",
