@@ -141,7 +141,8 @@ def test_merge_is_peft_s_merge():
 
 @pytest.mark.slow
 def test_lora_resume_is_exact(tmp_path, tiny_rec, base_weights):
-    extra = ["--pretrained", base_weights, "--max-steps", "4", "--save-every-steps", "2",
+    extra = ["--pretrained", base_weights, "--epochs", "2", "--max-steps", "4",
+             "--save-every-steps", "2",
              "--gradient-acc", "2", "--batch-size", "4", "--lora-rank", "4",
              "--lora-dropout", "0.2", "--seed", "3"]
     full = main(parse_args(tiny_argv(tmp_path / "full", tiny_rec, *extra)))
