@@ -5,7 +5,6 @@ original's shell/test_zero_shot_classificaiton.sh runs with its paths filled in 
 folder: --data-root or RWKV_CLIP_DATA_ROOT)."""
 import sys
 
-from rwkv_clip.eval.cli import build_parser  # noqa: F401 - re-exported for scripts and tests
 from rwkv_clip.eval.cli import zero_shot_main as main
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def build_open_clip(name: str = OPEN_CLIP_DEFAULT, seed: int = 0) -> nn.Module:
     return open_clip.create_model(name, pretrained=None, output_dict=False)
 
 
-def open_clip_shapes(model: nn.Module) -> tuple[int, int, int]:
+def open_clip_shapes(model: Any) -> tuple[int, int, int]:
     """(image size, context length, vocabulary size) of an open_clip CLIP model."""
     size = model.visual.image_size
     size = size[0] if isinstance(size, tuple | list) else size
@@ -74,13 +74,13 @@ def make_inputs(batch: int, image_size: int, ctx_len: int, vocab: int,
     return images, tokens
 
 
-def maybe_compile(model: nn.Module, mode: str) -> nn.Module:
+def maybe_compile(model: nn.Module, mode: str) -> Callable[..., Any]:
     if mode not in MODES:
         raise ConfigError(f"benchmark mode {mode!r}: expected one of {MODES}")
     return torch.compile(model, dynamic=False) if mode == "compiled" else model
 
 
-def training_runner(model: nn.Module, forward: nn.Module, precision: str,
+def training_runner(model: nn.Module, forward: Callable[..., Any], precision: str,
                     images: torch.Tensor, tokens: torch.Tensor) -> Callable[[], float]:
     """One training step per call (returns the loss): the trainer's optimizer on
     ``model``'s parameters, the forward through ``forward`` (``model`` or its compiled
@@ -98,14 +98,14 @@ def training_runner(model: nn.Module, forward: nn.Module, precision: str,
     batch = [MicroBatch(images, tokens)]
 
     def step() -> float:
-        result = train_step(forward, batch, loss_fn, optimizer, scaler=scaler,
+        result = train_step(model, batch, loss_fn, optimizer, scaler=scaler,
                             autocast=prec.autocast_factory, mode=settings.accum_mode,
-                            clip_grad_norm=settings.grad_clip_norm)
+                            clip_grad_norm=settings.grad_clip_norm, wrapped=forward)
         return float(result.loss)
     return step
 
 
-def inference_runner(forward: nn.Module, precision: str, images: torch.Tensor,
+def inference_runner(forward: Callable[..., Any], precision: str, images: torch.Tensor,
                      tokens: torch.Tensor) -> Callable[[], float]:
     """encode_image + encode_text (the models' forward) without grad, per call."""
     from .precision import get_precision
@@ -188,7 +188,7 @@ def interleaved(runners: dict[str, Callable[[], float]], warmup: int,
     out: dict[str, Any] = {n: {"step_s": [], "finite": True, "warmup_s": 0.0} for n in names}
     # warm-ups alternate too: a model's first steps (optimizer state, compilation) reshape
     # the process's heap, and the other model's first timed step must not be the one
-    # that pays for it (it was: 13.3 s against 12.1-12.4 s steady, at batch 16)
+    # that pays for it
     for _ in range(warmup):
         for name in names:
             t = time.perf_counter()
@@ -221,14 +221,14 @@ def summarise(timings: dict[str, Any], batch: int, ours: str, theirs: str | None
 def run_cases(cases: Sequence[Case], ours: nn.Module, theirs: nn.Module | None,
               inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
               warmup: int, repeats: int, log: Callable[[str], None] = lambda s: None,
-              breakdown: bool = False) -> list[Case]:
+              breakdown: bool = False) -> Sequence[Case]:
     """Fill ``case.result`` for every case, ours (key "rwkv_clip") beside theirs
     ("open_clip") when given. Compiled wrappers are made once per model and reused
     (dynamic=False: each batch size / precision / grad mode is its own graph).
     ``breakdown``: eager cases also get one profiled call per model after the timed ones
     (:func:`kernel_breakdown`, under ``"breakdown"``)."""
     models = {"rwkv_clip": ours} | ({"open_clip": theirs} if theirs is not None else {})
-    compiled: dict[str, nn.Module] = {}
+    compiled: dict[str, Callable[..., Any]] = {}
     for case in cases:
         images, tokens = inputs(case.batch)
         runners = {}
@@ -273,7 +273,7 @@ def table(cases: Sequence[Case]) -> dict[str, Any]:
     rows = [{"task": c.task, "batch": c.batch, "precision": c.precision, "mode": c.mode,
              **c.result} for c in cases]
     eager = {(c.task, c.batch, c.precision): c.result for c in cases if c.mode == "eager"}
-    speedups = []
+    speedups: list[dict[str, Any]] = []
     for c in cases:
         base = eager.get((c.task, c.batch, c.precision))
         if c.mode != "compiled" or base is None:
@@ -332,7 +332,7 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
     from pathlib import Path
 
     from .host_memory import configure_host_malloc
-    from .memory.measure import build_model
+    from .memory.measure import build_measured_model
     batches = parse_list(ns.batch_sizes, int, None, "--batch-sizes")
     if any(b < 1 for b in batches):
         raise ConfigError(f"--batch-sizes {ns.batch_sizes!r}: batch sizes must be >= 1")
@@ -347,7 +347,7 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    args, ours = build_model(ns.versus_config, "cpu", False, None)
+    args, ours = build_measured_model(ns.versus_config, "cpu", False, None)
     theirs = None if ns.versus == "none" else build_open_clip(ns.versus)
     size, ctx_len, vocab = args.input_size, args.ctx_len, args.vocab_size
     if theirs is not None:

@@ -6,9 +6,9 @@ such as ``args.image_embed_dims``), but the object is a dataclass with one typed
 per key of the published JSONs, and building one checks everything a model relies on:
 
 * an unknown key is an error naming it and the closest known key (a misspelt
-  ``image_embed_dim`` used to be kept and ignored, training the default width);
+  ``image_embed_dim`` is not silently ignored);
 * a value of the wrong type or outside its range is an error naming key, value and
-  what was expected (``image_depth: "twelve"`` used to fail deep inside the image tower);
+  what was expected;
 * cross-field rules (equal tower widths, widths divisible by heads...) are checked once
   the derived defaults the original fills in (``dim_att``, ``dim_ffn``, ``head_size``
   from ``text_num_head``) are in place.
@@ -36,6 +36,18 @@ _CHECKOUT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_config"
 
 # The original train.py's --data-type choices (it validated the value and ignored it).
 DATA_TYPES = ("utf-8", "utf-16le", "numpy", "binidx", "dummy", "uint16")
+
+# The config used when none is given (train.py, zero_shot.py without weights).
+DEFAULT_CONFIG = "RWKV_CLIP_small"
+
+# Model keys that have a command-line flag of the same name (--input-size -> input_size).
+TOWER_KEYS = (
+    "input_size", "image_depth", "image_embed_dims", "image_patch_size", "image_hidden_rate",
+    "image_num_heads", "image_output_cls_token", "image_with_cls_token", "drop_path_rate",
+    "ctx_len", "vocab_size", "text_initialization", "head_size", "text_num_head", "pos_emb",
+    "head_size_divisor", "n_layer", "n_embd", "dim_att", "dim_ffn", "head_qk", "tiny_att_dim",
+    "tiny_att_layer",
+)
 
 _NO_DEFAULT = object()
 
@@ -265,6 +277,26 @@ def parse_bool(value: Any) -> bool | None:
     return True if text in TRUE_WORDS else False if text in FALSE_WORDS else None
 
 
+def str2bool(value: Any) -> bool:
+    """argparse type for booleans: True/False, 1/0 (also yes/no), as the original's scripts."""
+    parsed = parse_bool(value)
+    if parsed is None:
+        raise argparse.ArgumentTypeError(f"expected a boolean (True/False/1/0), got {value!r}")
+    return parsed
+
+
+def apply_overrides(params: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Config keys with ``overrides`` on top; a new ``n_embd`` re-derives ``dim_att`` and
+    ``dim_ffn`` unless those are overridden too."""
+    out = dict(params)
+    out.update(overrides)
+    if "n_embd" in overrides:
+        for key in ("dim_att", "dim_ffn"):
+            if key not in overrides:
+                out[key] = 0
+    return out
+
+
 def complete_args(args: Any, source: str = "model args", with_image: bool = True) -> ModelArgs:
     """A new validated :class:`ModelArgs` from ``args`` (a ``ModelArgs``, any attribute
     namespace such as argparse's or ``SimpleNamespace``, or a dict), with the original's
@@ -306,7 +338,3 @@ def load_model_configs(config_path: str | Path) -> ModelArgs:
     params, path = read_config_json(config_path)
     return ModelArgs.from_dict(params, source=f"model config {path}")
 
-
-def model_args_from_dict(params: Mapping[str, Any], source: str = "model config") -> ModelArgs:
-    """Validate a dict of config keys (a JSON's or a checkpoint's) into a ``ModelArgs``."""
-    return ModelArgs.from_dict(params, source=source)

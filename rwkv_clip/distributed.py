@@ -46,8 +46,6 @@ class DistInfo:
     def is_master(self) -> bool:
         return self.rank == 0
 
-    is_main = is_master
-
     @property
     def collective_device(self) -> torch.device:
         """Where tensors for collectives live (NCCL: this GPU; gloo: CPU)."""

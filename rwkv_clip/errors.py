@@ -3,8 +3,9 @@ a command-line message.
 
 Every error meant for users derives from :class:`RWKVCLIPError`; its message names the
 culprit (file, flag, config key, record) and what was expected. Command-line tools wrap
-their ``main`` in :func:`run_cli`, which prints ``error: <message>`` on one line and exits
-with status 2. Anything else is a bug and keeps its traceback.
+their ``main`` in :func:`run_cli`, which prints ``error: <message>`` (the first line says
+what is wrong and names the culprit; details, if any, follow indented) and exits with
+status 2. Anything else is a bug and keeps its traceback.
 
 The concrete classes also derive from the builtin a caller would naturally catch
 (``ValueError`` for bad values, ``RuntimeError`` for failures while running), so code
@@ -48,12 +49,13 @@ class DataError(RWKVCLIPError, RuntimeError):
         self.message = message
         self.path = path
         self.record = record
-        parts = [message]
+        first, _, details = message.partition("\n")  # file and record stay on the first line
+        parts = [first]
         if path is not None:
             parts.append(f"file: {path}")
         if record is not None:
             parts.append(f"record: {record}")
-        super().__init__(" | ".join(parts))
+        super().__init__(" | ".join(parts) + (f"\n{details}" if details else ""))
 
     def __reduce__(self):  # pickled (data-loader workers) with its parts, not the joined text
         return type(self), (self.message, self.path, self.record)
@@ -71,12 +73,33 @@ class TrainingError(RWKVCLIPError, RuntimeError):
     """Training stopped for a reason the user can act on; the message says what to do."""
 
 
+class NonFiniteLossError(TrainingError, FloatingPointError):
+    """The loss became NaN or Inf; raised before the optimizer step."""
+
+
 class ResumeError(RWKVCLIPError, RuntimeError):
     """A checkpoint that cannot be resumed from; the message says why."""
 
 
 class EvalError(RWKVCLIPError, RuntimeError):
     """An evaluation problem the user can fix (missing data, unreadable file, bad folder)."""
+
+
+class DatasetNotFoundError(EvalError):
+    """An evaluation data set is not where it was looked for."""
+
+
+class ImageReadError(EvalError):
+    """An evaluation image cannot be read or decoded."""
+
+
+class PeerRankError(EvalError):
+    """Another rank failed; its own error message says why."""
+
+
+class MeasurementError(RWKVCLIPError, RuntimeError):
+    """A measuring run failed (out of memory, bad backend, ...); the message ends with the
+    worker's last lines of stderr."""
 
 
 class PrecisionError(RWKVCLIPError, ValueError):
@@ -90,9 +113,13 @@ def one_line(exc: BaseException) -> str:
 
 
 def report(exc: BaseException, prog: str | None = None) -> None:
-    """Print ``PROG: error: MESSAGE`` on stderr."""
+    """Print ``PROG: error: MESSAGE`` on stderr: the message's first line (the essential)
+    on the error line, its further lines (details) indented below it."""
     prefix = f"{prog}: " if prog else ""
-    print(f"{prefix}error: {one_line(exc)}", file=sys.stderr, flush=True)
+    lines = [line.rstrip() for line in str(exc).splitlines() if line.strip()]
+    first = lines[0].strip() if lines else type(exc).__name__
+    details = "".join(f"\n  {line.strip()}" for line in lines[1:])
+    print(f"{prefix}error: {first}{details}", file=sys.stderr, flush=True)
 
 
 def run_cli(main: Callable[[], int | None], prog: str | None = None) -> int:
@@ -113,5 +140,6 @@ def run_cli(main: Callable[[], int | None], prog: str | None = None) -> int:
 
 
 __all__ = ["RWKVCLIPError", "ConfigError", "CheckpointError", "WKVError", "KernelBuildError",
-           "DataError", "DistributedError", "TrainArgsError", "TrainingError", "ResumeError",
-           "EvalError", "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]
+           "DataError", "DistributedError", "TrainArgsError", "TrainingError", "NonFiniteLossError",
+           "ResumeError", "EvalError", "DatasetNotFoundError", "ImageReadError", "PeerRankError",
+           "MeasurementError", "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]

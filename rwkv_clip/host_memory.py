@@ -4,15 +4,11 @@ A CPU training step allocates and frees the same few GB of activations and gradi
 step. glibc's defaults give large freed blocks back to the kernel: blocks over the mmap
 threshold (dynamic, at most 32 MiB) are unmapped when freed, and free memory at the top of
 a heap beyond the trim threshold is trimmed. The next step then takes the same memory
-again as fresh pages that the kernel faults in and zero-fills: ~75,000 minor page faults
-(~300 MB) per B/32 batch-16 training step here. With the mmap threshold at 1 GiB and the
-trim threshold at 2 GiB the process keeps what it freed and reuses it, as PyTorch's
-caching allocator does on the GPU (tcmalloc or jemalloc preloaded, which PyTorch's CPU
-tuning guide suggests, behave alike). The process then holds its peak between steps.
-
-Measured on the 2-core AVX2 machine, 2 threads, each model alone in its process, median of
-5 steps: B/32 training at batch 16 12.03 -> 11.64 s per step, open_clip ViT-B-32 11.95 ->
-11.66 s; inference at batch 16 3.91 -> 3.84 s (ViT-B-32 4.10 -> 4.00 s).
+again as fresh pages that the kernel faults in and zero-fills. With the mmap threshold at
+1 GiB and the trim threshold at 2 GiB the process keeps what it freed and reuses it, as
+PyTorch's caching allocator does on the GPU (tcmalloc or jemalloc preloaded, which
+PyTorch's CPU tuning guide suggests, behave alike). The process then holds its peak
+between steps.
 
 The command-line programs (``train.py``, the evaluation CLIs, the benchmarks) call
 :func:`configure_host_malloc` once, before any data loader starts (forked workers inherit
@@ -34,8 +30,8 @@ import platform
 
 import torch
 
+from .cpu_gemm import env_choice
 from .errors import ConfigError
-from .precision import env_choice
 
 HOST_MALLOC_ENV = "RWKV_CLIP_HOST_MALLOC"
 HOST_MALLOC_CHOICES = ("auto", "retain", "system")

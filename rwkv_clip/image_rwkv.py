@@ -14,6 +14,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
+from .config import ModelArgs
 from .layers import (
     DropPath,
     Linear,
@@ -94,10 +95,11 @@ class VRWKV_ChannelMix_V6(nn.Module):
         self.n_head = n_head
         self.head_size = n_embd // n_head
         with torch.no_grad():  # mix weights: channel i keeps (i / C) ** (1 - depth) of itself
-            ratio_1_to_almost0 = 1.0 - layer_id / n_layer
-            ddd = (torch.arange(n_embd, dtype=torch.float32) / n_embd).view(1, 1, n_embd)
-            self.spatial_mix_k = nn.Parameter(torch.pow(ddd, ratio_1_to_almost0))
-            self.spatial_mix_r = nn.Parameter(torch.pow(ddd, ratio_1_to_almost0))
+            remaining_depth = 1.0 - layer_id / n_layer
+            channel_fraction = torch.arange(n_embd, dtype=torch.float32) / n_embd
+            channel_fraction = channel_fraction.view(1, 1, n_embd)
+            self.spatial_mix_k = nn.Parameter(torch.pow(channel_fraction, remaining_depth))
+            self.spatial_mix_r = nn.Parameter(torch.pow(channel_fraction, remaining_depth))
         self.with_cls_token = with_cls_token
         self.shift_pixel = shift_pixel
         hidden_sz = hidden_rate * n_embd
@@ -108,12 +110,12 @@ class VRWKV_ChannelMix_V6(nn.Module):
 
     def mix(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
         x = x.to(glue_dtype(x))  # under autocast: the dtype key/receptance cast to anyway
-        xx = q_shift_multihead(x, self.shift_pixel, self.head_size, patch_resolution,
+        shifted = q_shift_multihead(x, self.shift_pixel, self.head_size, patch_resolution,
                                self.with_cls_token)
         # Note the convention: spatial_mix_* weights x itself (the text tower's time_maa_k
-        # weights the shifted neighbour instead): x * m + xx * (1 - m), both in one lerp.
+        # weights the shifted neighbour instead): x * m + shifted * (1 - m), both in one lerp.
         mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(x.dtype)
-        xk, xr = lerp(xx, x, mix).unbind(0)
+        xk, xr = lerp(shifted, x, mix).unbind(0)
         k = relu_square(self.key(xk))
         if self.key_norm is not None:
             k = self.key_norm(k)
@@ -140,11 +142,14 @@ class Block_V6(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         if layer_id == 0:
             self.ln0 = nn.LayerNorm(n_embd)
-        self.att = VRWKV_SpatialMix_V6(n_embd, n_head, n_layer, layer_id, shift_mode,
-                                       shift_pixel, init_mode, key_norm=key_norm,
-                                       with_cls_token=with_cls_token)
-        self.ffn = VRWKV_ChannelMix_V6(n_embd, n_head, n_layer, layer_id, shift_mode,
-                                       shift_pixel, hidden_rate, init_mode, key_norm=key_norm,
+        self.att = VRWKV_SpatialMix_V6(n_embd=n_embd, n_head=n_head, n_layer=n_layer,
+                                       layer_id=layer_id, shift_mode=shift_mode,
+                                       shift_pixel=shift_pixel, init_mode=init_mode,
+                                       key_norm=key_norm, with_cls_token=with_cls_token)
+        self.ffn = VRWKV_ChannelMix_V6(n_embd=n_embd, n_head=n_head, n_layer=n_layer,
+                                       layer_id=layer_id, shift_mode=shift_mode,
+                                       shift_pixel=shift_pixel, hidden_rate=hidden_rate,
+                                       init_mode=init_mode, key_norm=key_norm,
                                        with_cls_token=with_cls_token)
         self.layer_scale = init_values is not None
         self.post_norm = post_norm
@@ -211,13 +216,29 @@ class Image_RWKV(nn.Module):
         self.out_indices = self._normalise_out_indices(out_indices, depth)
         dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()
         self.layers = nn.ModuleList(
-            Block_V6(embed_dims, num_heads, depth, i, shift_mode, shift_pixel, dpr[i],
-                     hidden_rate, init_mode, init_values, post_norm, key_norm,
-                     with_cls_token, with_cp)
+            Block_V6(n_embd=embed_dims, n_head=num_heads, n_layer=depth, layer_id=i,
+                     shift_mode=shift_mode, shift_pixel=shift_pixel, drop_path=dpr[i],
+                     hidden_rate=hidden_rate, init_mode=init_mode, init_values=init_values,
+                     post_norm=post_norm, key_norm=key_norm, with_cls_token=with_cls_token,
+                     with_cp=with_cp)
             for i in range(depth))
         self.final_norm = final_norm
         if final_norm:
             self.ln1 = nn.LayerNorm(embed_dims)
+
+    @classmethod
+    def from_args(cls, args: ModelArgs) -> Image_RWKV:
+        """The image tower of a validated model config (``complete_args`` has checked that
+        every image field is set)."""
+        size, patch, dims = args.input_size, args.image_patch_size, args.image_embed_dims
+        depth, heads = args.image_depth, args.image_num_heads
+        assert size is not None and patch is not None and dims is not None
+        assert depth is not None and heads is not None
+        return cls(img_size=size, patch_size=patch, embed_dims=dims,
+                   hidden_rate=args.image_hidden_rate, depth=depth, num_heads=heads,
+                   output_cls_token=args.image_output_cls_token,
+                   with_cls_token=args.image_with_cls_token,
+                   drop_path_rate=args.drop_path_rate, with_cp=args.with_cp)
 
     @staticmethod
     def _normalise_out_indices(out_indices, depth: int) -> list[int]:

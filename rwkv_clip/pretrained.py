@@ -1,7 +1,8 @@
 """Weights by name, open_clip's way: the published RWKV-CLIP checkpoints, where they live on
 the Hugging Face Hub, and one resolver from what a user types to a local file.
 
-``pretrained`` (in :func:`create_model_and_transforms` and every ``--pretrained`` flag) is
+``pretrained`` (in :func:`rwkv_clip.factory.create_model_and_transforms` and every
+``--pretrained`` flag) is
 
 * a tag of the model (``create_model_and_transforms("RWKV-CLIP-B32", "yfcc15m")``) or,
   on the command line, ``NAME:TAG`` (``RWKV-CLIP-B32:yfcc15m``);
@@ -20,15 +21,13 @@ that fetches it.
 """
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from .checkpoint_files import StateDict, read_state_dict
 from .errors import CheckpointError, ConfigError
 
 HF_HUB_PREFIX = "hf-hub:"
@@ -131,6 +130,31 @@ def _looks_like_path(text: str) -> bool:
     return text.lower().endswith(WEIGHT_SUFFIXES) or os.sep in text or "/" in text
 
 
+def is_weights_name(pretrained: str | os.PathLike) -> bool:
+    """True for a name (``NAME:TAG``, ``hf-hub:...``), False for a local file's path."""
+    text = str(pretrained).strip()
+    if text.startswith(HF_HUB_PREFIX):
+        return True
+    return not Path(text).is_file() and not _looks_like_path(_split_revision(text)[0])
+
+
+def published_config(pretrained: str | os.PathLike) -> str | None:
+    """The shipped config a published name was trained with, without downloading: the
+    registry's for ``NAME:TAG`` and a known ``hf-hub:`` repository; None for a local file
+    or another repository. An unknown ``NAME:TAG`` raises :class:`CheckpointError`."""
+    text = str(pretrained).strip()
+    if text.startswith(HF_HUB_PREFIX):
+        spec = _split_revision(text[len(HF_HUB_PREFIX):])[0]
+        repo = "/".join(spec.strip("/").split("/")[:2]).lower()
+        known = next((p for p in PRETRAINED if p.hf_repo.lower() == repo), None)
+        return known.config if known else None
+    spec = _split_revision(text)[0]
+    if not is_weights_name(text) or ":" not in spec:
+        return None
+    name, tag = spec.split(":", 1)
+    return get_pretrained_cfg(name, tag).config
+
+
 def resolve_pretrained(pretrained: str | os.PathLike, model_name: str | None = None, *,
                        revision: str | None = None,
                        cache_dir: str | os.PathLike | None = None) -> ResolvedWeights:
@@ -222,87 +246,15 @@ def download_from_hub(repo: str, filename: str, revision: str | None = None,
                               f"it with: {fetch}") from None
 
 
-def infer_config(state_dict: Mapping[str, torch.Tensor],
-                 overrides: Mapping[str, Any] | None = None) -> str | None:
-    """The shipped config whose model (with ``overrides`` applied to its keys) has exactly
-    the parameter names and shapes of ``state_dict``; None if none has. When several fit
-    (B/16 with ``image_patch_size=32`` is B/32), the one the overrides change least wins."""
-    from .config import available_configs, model_args_from_dict, read_config_json
-    from .model import create_RWKV_Model
-
-    overrides = dict(overrides or {})
-    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
-    matches = []
-    for name in available_configs():
-        params = read_config_json(name)[0]
-        try:
-            args = model_args_from_dict(apply_overrides(params, overrides),
-                                        source=f"model config {name}")
-            with torch.device("meta"):
-                model = create_RWKV_Model(args)
-        except ConfigError:  # the overrides do not fit this config: it does not match
-            continue
-        if {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes:
-            changed = sum(params.get(k) != v for k, v in overrides.items())
-            matches.append((changed, name))
-    return min(matches)[1] if matches else None
-
-
-def apply_overrides(params: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Config keys with ``overrides`` on top; a new ``n_embd`` re-derives ``dim_att`` and
-    ``dim_ffn`` unless those are overridden too (as train.py's tower flags)."""
-    out = dict(params)
-    out.update(overrides)
-    if "n_embd" in overrides:
-        for key in ("dim_att", "dim_ffn"):
-            if key not in overrides:
-                out[key] = 0
-    return out
-
-
-def create_model(model_name: str, pretrained: str | os.PathLike | None = None,
-                 device: str | torch.device | None = None, *, wkv_backend: str | None = None,
+def load_weights(pretrained: str | os.PathLike, model_name: str | None = None, *,
                  revision: str | None = None, cache_dir: str | os.PathLike | None = None,
-                 seed: int | None = None) -> torch.nn.Module:
-    """RWKV-CLIP ``model_name`` (model name, config name or config path), with the
-    ``pretrained`` weights if given (tag, file or hf-hub name), on ``device``."""
-    from .config import load_model_configs
-    from .model import check_state_dict, create_RWKV_Model, read_state_dict
-
-    args = load_model_configs(model_config(model_name))
-    if seed is not None:
-        torch.manual_seed(seed)
-    model = create_RWKV_Model(args)
-    if pretrained is not None:
-        weights = resolve_pretrained(pretrained, model_name, revision=revision,
-                                     cache_dir=cache_dir)
-        state_dict = read_state_dict(weights.path)
-        check_state_dict(model, state_dict, weights.label)
-        model.load_state_dict(state_dict, strict=True)
-    if wkv_backend is not None:
-        model.set_wkv_backend(wkv_backend)
-    if device is not None:
-        model = model.to(device)
-    return model
-
-
-def create_model_and_transforms(model_name: str, pretrained: str | os.PathLike | None = None,
-                                device: str | torch.device | None = None, *,
-                                wkv_backend: str | None = None, revision: str | None = None,
-                                cache_dir: str | os.PathLike | None = None,
-                                seed: int | None = None) -> tuple[torch.nn.Module, Any, Any]:
-    """``(model, preprocess_train, preprocess_val)`` as open_clip's function of that name.
-
-    ``preprocess_val`` is open_clip's eval transform (what the original used for every set
-    but ImageNet); ``rwkv_clip.eval.eval_transform("imagenet", size)`` gives the ImageNet
-    protocol. The model is returned in train mode, as open_clip's: call ``.eval()``.
-    """
-    from .transform import image_transform
-
-    model = create_model(model_name, pretrained, device, wkv_backend=wkv_backend,
-                         revision=revision, cache_dir=cache_dir, seed=seed)
-    size = load_config_input_size(model_name)
-    return model, image_transform(size, is_train=True), image_transform(size, is_train=False)
+                 map_location: str | torch.device | None = None,
+                 merge_lora: bool = True) -> StateDict:
+    """The state dict of what a user typed (file, tag or hf-hub name), read safely (a LoRA
+    checkpoint merged, unless ``merge_lora`` is False: then it is an error)."""
+    weights = resolve_pretrained(pretrained, model_name, revision=revision, cache_dir=cache_dir)
+    return StateDict(read_state_dict(weights.path, map_location=map_location,
+                                     merge_lora=merge_lora), weights.label, weights.config)
 
 
 def load_config_input_size(model_name: str) -> int:
@@ -312,16 +264,6 @@ def load_config_input_size(model_name: str) -> int:
     return int(read_config_json(model_config(model_name))[0]["input_size"])
 
 
-def get_tokenizer(model_name: str) -> Callable[[str | list[str]], torch.Tensor]:
-    """``texts -> (N, ctx_len)`` token ids for ``model_name`` (CLIP's BPE, zero padded)."""
-    from .config import read_config_json
-    from .tokenizer import tokenize
-
-    ctx_len = int(read_config_json(model_config(model_name))[0].get("ctx_len", 77))
-    return functools.partial(tokenize, context_length=ctx_len)
-
-
 __all__ = ["PRETRAINED", "PretrainedCfg", "ResolvedWeights", "list_pretrained", "list_models",
            "model_config", "get_pretrained_cfg", "resolve_pretrained", "download_from_hub",
-           "hub_cache_dir", "infer_config", "apply_overrides", "create_model",
-           "create_model_and_transforms", "get_tokenizer"]
+           "hub_cache_dir", "load_weights", "load_config_input_size"]

@@ -42,6 +42,7 @@ _ZERO_SHOT = re.compile(r"zero-shot \((.+?)\) on (.+): top-1 ([\d.]+)%(?:, top-5
 _STEPS = re.compile(r"(\d+) optimizer steps/epoch, (\d+) steps in all")
 _RUN_START = re.compile(r"rank \d+/\d+ on ")
 _RESUMED = re.compile(r"resumed from .*: step (\d+)")
+_SCHEDULE = re.compile(r"learning rate: (\w+) schedule, peak (\S+), warmup (\S+), (\d+) steps")
 
 
 @dataclass
@@ -55,6 +56,17 @@ class TrainingCurves:
     zero_shot_dir: str | None = None
     steps_per_epoch: int | None = None
     total_steps: int | None = None
+    schedule: dict | None = None  # lr_at's keywords, from the run's "learning rate:" line
+
+    def lr_curve(self) -> tuple[list[int], list[float]]:
+        """(steps, lr) at every step up to the last logged one, exact from the schedule
+        where the log states it, else the logged (rounded) values."""
+        if self.schedule is None or not self.steps:
+            return self.steps, self.lr
+        from .train.schedule import lr_at
+        steps = list(range(1, self.steps[-1] + 1))
+        total = self.schedule["total_steps"]
+        return steps, [lr_at(min(s, total - 1), **self.schedule)[0] for s in steps]
 
 
 def parse_training_log(path: str | os.PathLike) -> TrainingCurves:
@@ -71,6 +83,10 @@ def parse_training_log(path: str | os.PathLike) -> TrainingCurves:
                 fresh = False
                 last_step = int(m.group(1))
                 _drop_after(curves, last_step)
+                continue
+            if m := _SCHEDULE.search(line):
+                curves.schedule = dict(kind=m.group(1), max_lr=float(m.group(2)),
+                                       warmup=float(m.group(3)), total_steps=int(m.group(4)))
                 continue
             if m := _STEPS.search(line):
                 curves.steps_per_epoch, curves.total_steps = int(m.group(1)), int(m.group(2))
@@ -90,8 +106,9 @@ def parse_training_log(path: str | os.PathLike) -> TrainingCurves:
                 continue
             if fresh and curves.steps and step <= curves.steps[-1]:
                 # a new run in the same folder: only its own curves count
-                keep = curves.steps_per_epoch, curves.total_steps
-                curves = TrainingCurves(steps_per_epoch=keep[0], total_steps=keep[1])
+                keep = curves.steps_per_epoch, curves.total_steps, curves.schedule
+                curves = TrainingCurves(steps_per_epoch=keep[0], total_steps=keep[1],
+                                        schedule=keep[2])
             fresh = False
             curves.steps.append(step)
             curves.loss.append(loss)
@@ -126,13 +143,13 @@ def compute_predictions(model, folder: str | os.PathLike, device: torch.device |
                         batch_size: int = 128, precision: str = "fp32") -> dict[str, Any]:
     """Top-3 zero-shot predictions of ``model`` for every image of an image folder (with
     the folder's class names and templates), evaluated in this process alone."""
+    from .checkpoint_files import unwrap_model
     from .distributed import DistInfo
     from .eval.datasets import image_folder_set
     from .eval.zeroshot import (
         build_classifier,
         classification_logits,
         model_input_size,
-        unwrap_model,
     )
     from .transform import image_transform
 
@@ -152,7 +169,7 @@ def compute_predictions(model, folder: str | os.PathLike, device: torch.device |
         model.train(was_training)
     probs = logits.float().softmax(dim=-1)
     top_p, top_i = probs.topk(min(3, probs.shape[1]), dim=-1)
-    samples = [{"path": str(eval_set.describe(i)), "target": int(targets[i]),
+    samples: list[dict[str, Any]] = [{"path": str(eval_set.describe(i)), "target": int(targets[i]),
                 "top3": [int(c) for c in top_i[i]],
                 "top3_prob": [round(float(p), 4) for p in top_p[i]]}
                for i in range(len(targets))]
@@ -173,9 +190,9 @@ def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 def predictions_from_checkpoint(run_dir: str | os.PathLike, folder: str) -> dict[str, Any]:
     """Evaluate the run's newest checkpoint on ``folder`` (its config inferred from the
     parameter shapes, as ``zero_shot.py`` does)."""
+    from .checkpoint_files import StateDict, read_state_dict
     from .config import load_model_configs
-    from .model import check_state_dict, create_RWKV_Model, read_state_dict
-    from .pretrained import infer_config
+    from .factory import build_model, infer_config
 
     ckpt = newest_checkpoint(run_dir)
     if ckpt is None:
@@ -186,9 +203,7 @@ def predictions_from_checkpoint(run_dir: str | os.PathLike, folder: str) -> dict
     if name is None:
         raise EvalError(f"checkpoint {ckpt} matches none of the shipped model configs; the "
                         "picture needs its predictions: evaluate it with the training config")
-    model = create_RWKV_Model(load_model_configs(name))
-    check_state_dict(model, state_dict, str(ckpt))
-    model.load_state_dict(state_dict, strict=True)
+    model = build_model(load_model_configs(name), StateDict(state_dict, str(ckpt)))
     result = compute_predictions(model, folder)
     result["checkpoint"] = str(ckpt)
     return result
@@ -240,13 +255,16 @@ def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
     rows = 2 if show_predictions else 1
     grid = fig.add_gridspec(rows, 3, height_ratios=[1, 2.2] if show_predictions else [1])
 
+    # one point draws no line: mark it
     ax = fig.add_subplot(grid[0, 0])
-    ax.plot(curves.steps, curves.loss, color="tab:blue")
+    ax.plot(curves.steps, curves.loss, color="tab:blue",
+            marker="o" if len(curves.steps) == 1 else None)
     ax.set(title="training loss (mean over each logged interval)", xlabel="optimizer step",
            ylabel="contrastive loss")
     ax.grid(alpha=0.3)
     ax = fig.add_subplot(grid[0, 1])
-    ax.plot(curves.steps, curves.lr, color="tab:orange")
+    lr_steps, lr = curves.lr_curve()
+    ax.plot(lr_steps, lr, color="tab:orange", marker="o" if len(lr_steps) == 1 else None)
     ax.set(title="learning rate", xlabel="optimizer step", ylabel="lr")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     ax.grid(alpha=0.3)
@@ -254,6 +272,7 @@ def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
     _accuracy_panel(ax, curves)
 
     if show_predictions:
+        assert predictions is not None
         _confusion_panel(fig.add_subplot(grid[1, :2]), predictions)
         sub = grid[1, 2].subgridspec(4, 4, hspace=0.55, wspace=0.1)
         names = predictions["classnames"]

@@ -71,11 +71,11 @@ class RWKV_CMix_V6(nn.Module):
         self.args = args
         self.layer_id = layer_id
         with torch.no_grad():
-            ratio_1_to_almost0 = 1.0 - layer_id / args.n_layer
-            ddd = (torch.arange(args.n_embd, dtype=torch.float32) / args.n_embd)
-            ddd = ddd.view(1, 1, args.n_embd)
-            self.time_maa_k = nn.Parameter(1.0 - torch.pow(ddd, ratio_1_to_almost0))
-            self.time_maa_r = nn.Parameter(1.0 - torch.pow(ddd, ratio_1_to_almost0))
+            remaining_depth = 1.0 - layer_id / args.n_layer
+            channel_fraction = (torch.arange(args.n_embd, dtype=torch.float32) / args.n_embd)
+            channel_fraction = channel_fraction.view(1, 1, args.n_embd)
+            self.time_maa_k = nn.Parameter(1.0 - torch.pow(channel_fraction, remaining_depth))
+            self.time_maa_r = nn.Parameter(1.0 - torch.pow(channel_fraction, remaining_depth))
         self.key = Linear(args.n_embd, args.dim_ffn, bias=False)
         self.receptance = Linear(args.n_embd, args.n_embd, bias=False)
         self.value = Linear(args.dim_ffn, args.n_embd, bias=False)
@@ -121,8 +121,8 @@ class Block(nn.Module):
 
     def _tiny_attention(self, x: torch.Tensor, x_emb: torch.Tensor) -> torch.Tensor:
         T = x.shape[1]
-        xx = self.tiny_ln(x)
-        q, k = self.tiny_q(xx)[:, :T], self.tiny_k(xx)[:, :T]
+        normed = self.tiny_ln(x)
+        q, k = self.tiny_q(normed)[:, :T], self.tiny_k(normed)[:, :T]
         c = (q @ k.transpose(-2, -1)) * (self.args.tiny_att_dim ** -0.5)
         c = c.masked_fill(self.tiny_mask[:T, :T] == 0, 0)
         return x + c @ self.tiny_v(x_emb)

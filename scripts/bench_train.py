@@ -44,7 +44,7 @@ from rwkv_clip.errors import run_cli
 from rwkv_clip.host_memory import configure_host_malloc
 from rwkv_clip.memory import (
     PeakRSS,
-    build_model,
+    build_measured_model,
     make_step,
     rss_kib,
     synthetic_batch,
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     host_malloc = configure_host_malloc(device)  # as train.py
 
     rss_before_kib = rss_kib()
-    args, model = build_model(config, device, ns.checkpointing, ns.wkv_backend)
+    args, model = build_measured_model(config, device, ns.checkpointing, ns.wkv_backend)
     model.train()
     if ns.compile:
         model = torch.compile(model, backend=ns.compile_backend)

@@ -9,6 +9,10 @@
 # resolution follows pip's (the best version over all indexes). Without uv (no network
 # for it, or RWKV_CLIP_INSTALLER=pip) pip does the same install.
 set -euo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then   # the comment block above is the help
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+    exit 0
+fi
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then

@@ -12,6 +12,10 @@
 # Every wheel is fetched with --no-deps --only-binary=:all: for the target interpreter,
 # so the same command gives the same files on any machine; a second run downloads nothing.
 set -euo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then   # the comment block above is the help
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+    exit 0
+fi
 cd "$(dirname "$0")/.."
 DEST=.whl
 PYVER=3.12

@@ -253,10 +253,10 @@ def cmd_imports(site: str) -> int:
 
 def cmd_build(jobs: list[str]) -> int:
     """Build kernels in parallel processes (one nvcc each); JSON with each one's time."""
-    from rwkv_clip.ops import build
+    from rwkv_clip.ops import cache, toolchain
     procs, out = {}, {}
     for job in jobs:
-        if job != "cpu" and build.find_cuda_home() is None:
+        if job != "cpu" and toolchain.find_cuda_home() is None:
             out[job] = {"skipped": "no CUDA toolkit (nvcc) found"}
             continue
         if job == "cpu":
@@ -273,8 +273,8 @@ def cmd_build(jobs: list[str]) -> int:
         out[job] = {"rc": p.returncode, "seconds": round(time.monotonic() - t0, 1),
                     **({"output_tail": text[-1500:]} if p.returncode else {})}
         failed += p.returncode != 0
-    print(json.dumps({"kernels": out, "cache": str(build.cache_root()),
-                      "cuda_home": str(build.find_cuda_home())}))
+    print(json.dumps({"kernels": out, "cache": str(cache.cache_root()),
+                      "cuda_home": str(toolchain.find_cuda_home())}))
     return 1 if failed else 0
 
 
@@ -316,7 +316,7 @@ def cmd_ddp_step(device: str) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from rwkv_clip.memory import build_model, make_step, synthetic_batch
+    from rwkv_clip.memory import build_measured_model, make_step, synthetic_batch
     cuda = device == "cuda"
     dev = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda
            else torch.device("cpu"))
@@ -326,7 +326,7 @@ def cmd_ddp_step(device: str) -> int:
     try:
         ones = torch.ones(4, device=dev)
         dist.all_reduce(ones)
-        args, model = build_model(TINY, dev, False, None)
+        args, model = build_measured_model(TINY, dev, False, None)
         ddp = DistributedDataParallel(model, device_ids=[dev] if cuda else None)
         step = make_step(ddp, "bf16" if cuda else "fp32", dev.type)
         images, tokens = synthetic_batch(args, 8, dev)

@@ -18,6 +18,10 @@
 # (default 465 on the device, 3600 in the rehearsal), GPU_CHECK_TIMEOUT_SCALE (rehearsal
 # only, default 6: its dry runs share 2 CPU cores).
 set -euo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then   # the comment block above is the help
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+    exit 0
+fi
 REHEARSE=0
 if [[ ${1:-} == --rehearse ]]; then REHEARSE=1; shift; fi
 OUT_JSON=$(realpath -m "${1:-gpu_check.json}")   # relative to the caller's directory

@@ -41,7 +41,10 @@ def main(argv=None):
     p.add_argument("input", help="JSONL/CSV of pairs, a folder of img2dataset .tar shards, or "
                                  "parquet shards (file, glob, brace list or folder)")
     p.add_argument("output", help="output prefix (PREFIX.rec/.idx, or PREFIX-000000.tar...)")
-    p.add_argument("--format", choices=["rec", "wds"], default="rec")
+    p.add_argument("--format", choices=["rec", "wds"], default="rec",
+                   help="rec: OUTPUT.rec + OUTPUT.idx (MXNet RecordIO, what train.py and DALI "
+                        "read by default); wds: WebDataset shards OUTPUT-000000.tar ... "
+                        "(train.py --data-format wds). Default rec")
     p.add_argument("--resize", type=positive_int, default=None,
                    help="shrink so the shorter side is at most this many pixels")
     p.add_argument("--shard-size", type=positive_int, default=1000,
@@ -52,7 +55,8 @@ def main(argv=None):
                    help="parquet image column (default: jpg, images, image or img)")
     p.add_argument("--caption-columns", default=None, metavar="RAW[,SYN[,GEN]]",
                    help="parquet caption columns (default: caption, texts or text)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (for logs and scripts)")
     a = p.parse_args(argv)
     s = convert(a.input, a.output, fmt=a.format, resize=a.resize, shard_size=a.shard_size,
                 progress=not a.no_progress, image_column=a.image_column,

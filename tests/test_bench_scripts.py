@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-# one thread: on a shared 2-core box two OpenMP threads can make a step 10x slower
+# one thread: on a shared small machine several OpenMP threads can make a step far slower
 
 EXPECTED = {"config", "device", "batch_size", "precision", "checkpointing", "wkv_backend",
             "steps", "step_s_mean", "samples_per_s", "peak_memory_bytes",

@@ -22,7 +22,7 @@ from rwkv_clip import (
     load_model_configs,
 )
 from rwkv_clip.config import available_configs, complete_args, config_dir, read_config_json
-from rwkv_clip.train.args import build_parser, parse_args, resolve_model_config
+from rwkv_clip.train.args import build_train_parser, parse_args, resolve_model_config
 
 
 def _tiny_params() -> dict:
@@ -263,7 +263,7 @@ def test_a_single_tower_flag_overrides_the_small_default():
 
 
 def test_tower_flags_override_the_chosen_config():
-    ns = build_parser().parse_args(["--config", "RWKV_CLIP_B32", "--n-layer", "3",
+    ns = build_train_parser().parse_args(["--config", "RWKV_CLIP_B32", "--n-layer", "3",
                                     "--image-depth", "4", "--drop-path-rate", "0.1"])
     model, source = resolve_model_config(ns)
     b32 = load_model_configs("RWKV_CLIP_B32")

@@ -146,7 +146,7 @@ def test_make_rec_cli(tmp_path):
     assert bad.returncode == 2 and "input file not found" in bad.stderr
 
 
-# ----------------------------------------------------------------------------- issue 10, ask 6
+# ----------------------------------------------------------------------------- image depth and range
 
 def _stored_pixels(prefix):
     r = RecordIOReader(prefix)

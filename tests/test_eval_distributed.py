@@ -109,7 +109,7 @@ def test_gather_rows_two_gloo_ranks(tmp_path):
             assert torch.equal(rows, torch.stack([full.float() * 0.5, full.float() ** 2], dim=1).reshape(n, 2))
 
 
-@pytest.mark.slow  # ~30-80 s on 2 shared cores: two fresh interpreters import torch/open_clip
+@pytest.mark.slow  # two fresh interpreters import torch and open_clip
 def test_two_rank_gather_equals_one_rank(tmp_path):
     folder, jsonl = make_data(tmp_path)
     single = evaluate(folder, jsonl)

@@ -26,7 +26,7 @@ def random_image(w, h, seed=0):
 
 
 def imagenet_by_hand(img, s):
-    """The protocol as the issue states it, computed independently with PIL and numpy."""
+    """The paper's evaluation protocol, computed independently with PIL and numpy."""
     short_target = int(256 / 224 * s)
     w, h = img.size
     if w <= h:
@@ -154,7 +154,8 @@ def test_imagenet_from_val_rec(tmp_path, header_label):
 
 
 def test_imagenet_rec_bad_input(tmp_path):
-    from rwkv_clip.eval.datasets import DatasetNotFoundError, build_classification_set
+    from rwkv_clip.errors import DatasetNotFoundError
+    from rwkv_clip.eval.datasets import build_classification_set
 
     good = jpeg(random_image(40, 30))
     write_imagenet_rec(tmp_path / "imagenet", [1, 1000, 2], [good, good, good[:50]])
@@ -190,10 +191,10 @@ def test_cli_imagenet_rec_end_to_end(tmp_path, capsys):
 def encode(opts, dataset):
     from rwkv_clip.distributed import DistInfo
     from rwkv_clip.eval.common import encode_image_shard
-    from rwkv_clip.eval.runner import build_model, evaluation_precision
+    from rwkv_clip.eval.runner import build_eval_model, evaluation_precision
 
     info = DistInfo()
-    model, *_ = build_model(opts, torch.device("cpu"), info)
+    model, *_ = build_eval_model(opts, torch.device("cpu"), info)
     _, _, feats = encode_image_shard(model, dataset, torch.device("cpu"), batch_size=3,
                                      precision=evaluation_precision(opts), info=info)
     return feats
@@ -226,16 +227,16 @@ def test_original_shell_flags_resolve_to_b32():
     """shell/test_zero_shot_*.sh pass these (no --input-size, no --config) with the B/32
     checkpoint: the config fitting the checkpoint with those flags is exactly B/32."""
     from rwkv_clip import create_RWKV_Model, load_model_configs
-    from rwkv_clip.config import model_args_from_dict, read_config_json
+    from rwkv_clip.config import ModelArgs, apply_overrides, read_config_json
     from rwkv_clip.eval.cli import parse_options
     from rwkv_clip.eval.runner import _arch_overrides
-    from rwkv_clip.pretrained import apply_overrides, infer_config
+    from rwkv_clip.factory import infer_config
 
     overrides = _arch_overrides(parse_options(SHELL_B32_FLAGS))
     with torch.device("meta"):
         b32 = create_RWKV_Model(load_model_configs("RWKV_CLIP_B32")).state_dict()
     assert infer_config(b32, overrides) == "RWKV_CLIP_B32"
-    resolved = model_args_from_dict(apply_overrides(read_config_json("RWKV_CLIP_B32")[0],
+    resolved = ModelArgs.from_dict(apply_overrides(read_config_json("RWKV_CLIP_B32")[0],
                                                     overrides))
     assert vars(resolved) == vars(load_model_configs("RWKV_CLIP_B32"))
 
@@ -243,10 +244,10 @@ def test_original_shell_flags_resolve_to_b32():
 def test_single_flag_overrides_small_default():
     from rwkv_clip.distributed import DistInfo
     from rwkv_clip.eval.cli import parse_options
-    from rwkv_clip.eval.runner import build_model
+    from rwkv_clip.eval.runner import build_eval_model
 
     opts = parse_options(["--image-depth", "3", "--device", "cpu"])
-    model, args, name, _ = build_model(opts, torch.device("cpu"), DistInfo())
+    model, args, name, _ = build_eval_model(opts, torch.device("cpu"), DistInfo())
     assert name == "RWKV_CLIP_small" and args.image_depth == 3
     small = load_model_configs("RWKV_CLIP_small")  # the rest: small's
     assert (args.image_embed_dims, args.input_size) == (small.image_embed_dims, small.input_size)

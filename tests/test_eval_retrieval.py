@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rwkv_clip.eval.datasets import DatasetNotFoundError, EvalError
+from rwkv_clip.errors import DatasetNotFoundError, EvalError
 from rwkv_clip.eval.retrieval import (
     ORIGINAL_CAPTION_PREFIX,
     build_retrieval_set,

@@ -10,11 +10,10 @@ each round every checkpoint file loads with ``weights_only=True``; SIGINT / SIGT
 with exit status 130 / 143 and ``interrupted at step N; resume with --resume latest``.
 At the end ``--resume latest`` finishes with the weights of an uninterrupted run.
 
-Rounds: ``RWKV_CLIP_FAULT_ROUNDS`` (default 20, the issue's count), shared between two
-independent chains (two output folders, each its own random stream) that run side by side
-beside the reference run: every process uses one thread, so two cores take two at once. A
-round costs the start of a training process (a few seconds of imports and set-up) plus a
-second of steps: about 2 minutes in all on 2 quiet cores, 3.6 beside other work.
+Rounds: ``RWKV_CLIP_FAULT_ROUNDS`` (default 20), shared between two independent chains
+(two output folders, each its own random stream) that run side by side beside the
+reference run: every process uses one thread, so two cores take two at once. A round
+costs the start of a training process plus a second of steps.
 """
 import os
 import random

@@ -110,7 +110,7 @@ def test_wheels_bring_their_own_requirements(wheels):
         assert not missing, f"{whl.name} needs {sorted(missing)}: add them to device_wheels.txt"
 
 
-@pytest.mark.slow  # imports torch, open_clip, timm and fla in a fresh interpreter (~30-60 s)
+@pytest.mark.slow  # imports torch, open_clip, timm and fla in a fresh interpreter
 def test_install_and_import_stage(wheels, tmp_path):
     site = tmp_path / "site"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

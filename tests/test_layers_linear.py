@@ -11,15 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rwkv_clip.errors import PrecisionError
-from rwkv_clip.layers.linear import Linear, conv2d, linear, matmul
-from rwkv_clip.precision import (
+from rwkv_clip.cpu_gemm import (
     CPU_LINEAR_ENV,
     CPU_LOWP_MATMUL_ENV,
     cpu_linear_uses_onednn,
     cpu_matmul_choice_reset,
     cpu_matmul_in_fp32,
 )
+from rwkv_clip.errors import PrecisionError
+from rwkv_clip.layers.linear import Linear, conv2d, linear, matmul
 
 
 @pytest.fixture
@@ -192,7 +192,7 @@ def test_fp32_linear_backend_choices(fp32_linear):
     fp32_linear("mkl")
     assert cpu_linear_uses_onednn() is False
     fp32_linear("auto")
-    from rwkv_clip.precision import _cpu_vendor
+    from rwkv_clip.cpu_gemm import _cpu_vendor
     assert cpu_linear_uses_onednn() is (torch.backends.mkldnn.is_available()
                                         and _cpu_vendor() == "AuthenticAMD")
     fp32_linear("blas")

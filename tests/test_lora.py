@@ -7,10 +7,10 @@ import torch
 from train_util import TINY_CONFIG, make_tiny_rec, tiny_argv, tiny_model
 
 from rwkv_clip import create_RWKV_Model, load_model_configs
+from rwkv_clip.checkpoint_files import read_state_dict
 from rwkv_clip.errors import CheckpointError
 from rwkv_clip.export import main as export_main
 from rwkv_clip.lora import LoraSettings, add_adapters, merge_state_dict, parameter_counts
-from rwkv_clip.model import read_state_dict
 from rwkv_clip.train import cli, main, parse_args
 
 pytest.importorskip("peft")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
+from rwkv_clip.errors import MeasurementError
 from rwkv_clip.memory import (
     activation_segments,
     estimate,
@@ -21,7 +22,7 @@ from rwkv_clip.memory import (
     training_peak,
 )
 from rwkv_clip.memory.cli import run as run_planner
-from rwkv_clip.memory.measure import MeasurementError, MeasureSpec
+from rwkv_clip.memory.measure import MeasureSpec
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +91,13 @@ def test_gradient_and_optimizer_bytes_match_a_real_step(tiny):
     _, args, model = tiny
     step = make_step(model, "fp32", "cpu")
     images, tokens = synthetic_batch(args, 2, "cpu")
+    seen: dict[str, int] = {}  # the gradients the optimizer steps with (cleared after it)
+
+    def count_gradients(optimizer, args, kwargs):
+        seen["grads"] = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    step.optimizer.register_step_pre_hook(count_gradients)
     step(images, tokens)
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    grads = seen["grads"]
     moments = sum(s[k].numel() * s[k].element_size()
                   for s in step.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
     tr = training_peak(args, 8, "bf16")
@@ -188,7 +194,8 @@ def test_cli_json(repo_root):
                           "--gradient-acc", "2", "--gpus", "2", "--json"],
                          capture_output=True, text=True, check=True, cwd=repo_root)
     est = json.loads(out.stdout)["estimate"]
-    assert est["micro_batch"] == 32 and est["checkpointing"] and est["gpus"] == 2
+    assert est["micro_batch"] == 64 and est["batch_size"] == 128  # train.py's meaning
+    assert est["checkpointing"] and est["gpus"] == 2
     for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes",
                 "training_peak_bytes", "inference_peak_bytes"):
         assert est[key] > 0
@@ -200,8 +207,7 @@ def test_cli_json(repo_root):
     (["--config", "no_such_config.json"], "no_such_config.json"),
     (["--config", "RWKV_CLIP_tiny", "--batch-size", "0"], "--batch-size"),
     (["--config", "RWKV_CLIP_tiny", "--batch-size", "ten"], "--batch-size"),
-    (["--config", "RWKV_CLIP_tiny", "--batch-size", "30", "--gradient-acc", "4"],
-     "--gradient-acc"),
+    (["--config", "RWKV_CLIP_tiny", "--gradient-acc", "0"], "--gradient-acc"),
     (["--config", "RWKV_CLIP_tiny", "--precision", "fp8"], "fp8"),
     (["--config", "RWKV_CLIP_tiny", "--measure", "--gpus", "2"], "--gpus"),
     (["--config", "RWKV_CLIP_tiny", "--no-such-flag"], "--no-such-flag"),

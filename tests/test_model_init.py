@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rwkv_clip import ConfigError, Image_RWKV, create_RWKV_Model, load_model_configs
-from rwkv_clip.config import model_args_from_dict
+from rwkv_clip.config import ModelArgs
 
 
 def _tiny(**overrides):
@@ -66,7 +66,7 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_model_configs(bad)
     with pytest.raises(ConfigError, match="missing required"):
-        model_args_from_dict({"n_embd": 64})
+        ModelArgs.from_dict({"n_embd": 64})
 
 
 def test_resized_pos_embed_and_other_image_sizes():

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
-from rwkv_clip.config import model_args_from_dict
+from rwkv_clip.config import ModelArgs
 
 BACKENDS = ["reference", "cpu"]
 
@@ -17,7 +17,7 @@ def golden(reference_dir):
 
 
 def _golden_model(golden, backend):
-    model = create_RWKV_Model(model_args_from_dict(dict(golden["config"])))
+    model = create_RWKV_Model(ModelArgs.from_dict(dict(golden["config"])))
     model.load_state_dict(golden["state_dict"], strict=True)
     model.set_wkv_backend(backend)
     return model
@@ -28,7 +28,7 @@ def _rel(a, b):
 
 
 def test_golden_state_dict_layout(golden):
-    model = create_RWKV_Model(model_args_from_dict(dict(golden["config"])))
+    model = create_RWKV_Model(ModelArgs.from_dict(dict(golden["config"])))
     ours = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     theirs = {k: (tuple(v.shape), v.dtype) for k, v in golden["state_dict"].items()}
     assert list(ours) == list(theirs)

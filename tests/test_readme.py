@@ -24,14 +24,16 @@ def _blocks(text: str, language: str) -> list[str]:
 
 def _python_examples() -> list:
     """One pytest param per ```python block of README.md and docs/*.md; a block that loads
-    published weights by name is slow (the test lays out a B/32-sized Hub cache for it)."""
+    published weights by name is slow (the test lays out a B/32-sized Hub cache for it), and
+    so is one that exports to ONNX."""
     params = []
     for page in PAGES:
         for i, block in enumerate(_blocks(page.read_text(), "python")):
             published = [cfg for cfg in PRETRAINED
                          if f'"{cfg.model_name}", "{cfg.tag}"' in block
                          or f"{cfg.model_name}:{cfg.tag}" in block]
-            marks = [pytest.mark.slow] if published else []
+            exports_onnx = '"--format", "onnx"' in block  # an ONNX export: minutes on a CPU
+            marks = [pytest.mark.slow] if published or exports_onnx else []
             params.append(pytest.param(block, published, marks=marks,
                                        id=f"{page.relative_to(REPO)}#{i}"))
     return params

@@ -72,6 +72,7 @@ def test_retrieval_cli_errors_are_one_line(tmp_path):
                         "--output-dir", str(tmp_path / "o")], cwd=REPO, capture_output=True,
                        text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("text_image_retrieval.py: error:")
-    assert "flickr30k_test.json" in lines[0]
+    lines = r.stderr.strip().splitlines()  # one error line; details indented below it
+    assert lines[0].startswith("text_image_retrieval.py: error:")
+    assert all(line.startswith("  ") for line in lines[1:]), r.stderr
+    assert "flickr30k_test.json" in r.stderr

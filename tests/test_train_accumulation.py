@@ -3,12 +3,12 @@ import copy
 
 import pytest
 import torch
-from train_util import tiny_model
+from train_util import record_step_grads, tiny_model
 
 from rwkv_clip import ClipLoss
+from rwkv_clip.errors import NonFiniteLossError
 from rwkv_clip.train.accumulation import (
     MicroBatch,
-    NonFiniteLossError,
     caption_generator,
     choose_captions,
     make_micro_batches,
@@ -30,11 +30,12 @@ def _one_step(base, images, tokens, k, mode="exact"):
     once for the step (as the loop does), so every split sees the same texts."""
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.98), weight_decay=0.2)
+    grads = record_step_grads(model, opt)
     m = images.shape[0] // k
     mbs = make_micro_batches(list(images.split(m)), list(tokens.split(m)),
                              caption_generator(0, 0, 0, 0), torch.device("cpu"))
     result = train_step(model, mbs, ClipLoss(), opt, mode=mode, clip_grad_norm=None)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert all(p.grad is None for p in model.parameters())  # cleared after the step
     return model, grads, result
 
 
@@ -77,10 +78,10 @@ def test_mean_mode_differs_and_averages_micro_losses():
     for sl in (slice(0, 4), slice(4, 8)):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        half_grads.append(record_step_grads(model, opt))
         r = train_step(model, [MicroBatch(images[sl], texts[sl])], ClipLoss(), opt,
                        clip_grad_norm=None)
         half_losses.append(r.loss)
-        half_grads.append({n: p.grad for n, p in model.named_parameters()})
     assert result.loss == pytest.approx(sum(half_losses) / 2, abs=1e-6)
     for name, g in grads.items():
         mean = (half_grads[0][name] + half_grads[1][name]) / 2

@@ -104,8 +104,8 @@ def test_help_explains_every_flag():
                  "--zero-shot-every", "--lock-image", "--data-format", "--save-every-steps"):
         assert flag in out.stdout
     # every option line has a help text (argparse prints it after the metavar)
-    from rwkv_clip.train.args import build_parser
-    assert all(a.help for a in build_parser()._actions)
+    from rwkv_clip.train.args import build_train_parser
+    assert all(a.help for a in build_train_parser()._actions)
 
 
 def _run_train(argv, tmp_path):
@@ -156,7 +156,7 @@ def test_negative_keep_checkpoints_is_refused(tmp_path):
                          "--keep-checkpoints", "-1"]))
 
 
-# ---- a step batch larger than the training data (issue 10, ask 8)
+# ---- a step batch larger than the training data
 
 def _tiny_parquet(folder, usable: int):
     """img2dataset-style parquet with one failed row more than ``usable`` rows."""

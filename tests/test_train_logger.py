@@ -10,7 +10,6 @@ from rwkv_clip.train.logger import (
     close_logging,
     format_duration,
     format_lr,
-    prepare_wkv_kernel,
     setup_logging,
 )
 
@@ -87,26 +86,28 @@ class _Recorder(logging.Handler):
 
 
 def test_kernel_notice_only_when_the_cpu_kernel_is_not_cached(tmp_path, monkeypatch):
-    from rwkv_clip.ops import build
+    from rwkv_clip.ops import build, prepare_wkv_kernel, reset_backend_override
 
     log = logging.getLogger("test_kernel_notice")
     rec = _Recorder()
     log.addHandler(rec)
     log.setLevel(logging.INFO)
-    prepare_wkv_kernel(torch.device("meta"), log)  # not a CPU run: nothing to do
+    prepare_wkv_kernel(torch.device("meta"), log.info)  # not a CPU run: nothing to do
     monkeypatch.setenv("RWKV_CLIP_WKV_BACKEND", "reference")
-    prepare_wkv_kernel(torch.device("cpu"), log)  # pure-PyTorch backend: no kernel
+    reset_backend_override()
+    prepare_wkv_kernel(torch.device("cpu"), log.info)  # pure-PyTorch backend: no kernel
     assert rec.messages == []
     monkeypatch.delenv("RWKV_CLIP_WKV_BACKEND")
+    reset_backend_override()
     if not build.cpu_kernel_cached():
         pytest.skip("the CPU kernel is not built in this cache (the notice would compile it)")
-    prepare_wkv_kernel(torch.device("cpu"), log)
+    prepare_wkv_kernel(torch.device("cpu"), log.info)
     assert rec.messages == []  # cached: silent
 
 
 @pytest.mark.slow
 def test_kernel_notice_before_a_first_build(tmp_path, monkeypatch):
-    from rwkv_clip.ops import build
+    from rwkv_clip.ops import build, prepare_wkv_kernel
 
     monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "kernels"))
     monkeypatch.setattr(build, "_loaded", {})
@@ -114,10 +115,10 @@ def test_kernel_notice_before_a_first_build(tmp_path, monkeypatch):
     rec = _Recorder()
     log.addHandler(rec)
     log.setLevel(logging.INFO)
-    prepare_wkv_kernel(torch.device("cpu"), log)
+    prepare_wkv_kernel(torch.device("cpu"), log.info)
     assert rec.messages[0].startswith("preparing the WKV CPU kernel (first use compiles it")
     assert rec.messages[1].startswith("WKV CPU kernel ready")
     assert build.cpu_kernel_cached()
     rec.messages.clear()
-    prepare_wkv_kernel(torch.device("cpu"), log)  # cached now: no notice
+    prepare_wkv_kernel(torch.device("cpu"), log.info)  # cached now: no notice
     assert rec.messages == []

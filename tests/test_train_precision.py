@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from train_util import TINY_CONFIG, tiny_model
+from train_util import TINY_CONFIG, record_step_grads, tiny_model
 
 from rwkv_clip import ClipLoss
 from rwkv_clip.errors import PrecisionError
@@ -73,9 +73,8 @@ def test_activation_checkpointing_gives_the_same_gradients():
         model = copy.deepcopy(base)
         model.set_grad_checkpointing(cp)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        grads.append(record_step_grads(model, opt))
         train_step(model, _micro_batches(k=2), ClipLoss(), opt, clip_grad_norm=None)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
     for name in grads[0]:
         a, b = grads[0][name].double(), grads[1][name].double()
@@ -110,7 +109,7 @@ def test_out_of_memory_message_suggests_the_remedies(tmp_path):
 
 
 def test_constant_mark_is_torchs_and_importing_does_not_load_dynamo():
-    """precision.assume_constant_result sets the mark torch's own decorator sets, and
+    """cpu_gemm.assume_constant_result sets the mark torch's own decorator sets, and
     importing the package, the trainer and the evaluator leaves torch._dynamo unloaded
     (it cost 2.4 s of every process's start-up)."""
     import subprocess
@@ -118,7 +117,7 @@ def test_constant_mark_is_torchs_and_importing_does_not_load_dynamo():
 
     import torch._dynamo
 
-    from rwkv_clip.precision import assume_constant_result, cpu_linear_uses_onednn
+    from rwkv_clip.cpu_gemm import assume_constant_result, cpu_linear_uses_onednn
 
     def theirs():
         return 1

@@ -197,7 +197,7 @@ def test_resume_latest_continues_and_refuses_other_models(tmp_path, tiny_rec):
 
 @pytest.mark.slow
 def test_resume_takes_data_config_and_schedule_from_the_checkpoint(tmp_path, tiny_rec):
-    """issue 10.1: ``--resume latest --output DIR`` alone continues the same run (not the
+    """``--resume latest --output DIR`` alone continues the same run (not the
     built-in data set, not the default config, not the default schedule)."""
     out = tmp_path / "run"
     main(parse_args(tiny_argv(out, tiny_rec, "--epochs", "2", "--max-steps", "2",

@@ -10,12 +10,14 @@ from rwkv_clip.ops import (
     BACKEND_ENV_VAR,
     WKVError,
     build,
+    cache,
+    toolchain,
     wkv6_bidirectional,
     wkv6_bidirectional_reference,
 )
 
 HAS_GPU = torch.cuda.is_available()
-HAS_NVCC = build.find_cuda_home() is not None and torch.version.cuda is not None
+HAS_NVCC = toolchain.find_cuda_home() is not None and torch.version.cuda is not None
 HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
 
 
@@ -230,12 +232,12 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(WKVError, match="C\\+\\+ compiler"):
-        build._check_cxx()
+        toolchain.check_cxx()
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(build, "_is_toolkit_root", lambda p: False)
+    monkeypatch.setattr(toolchain, "_is_toolkit_root", lambda p: False)
     with pytest.raises(WKVError, match="CUDA toolkit"):
-        build._prepare_cuda_toolchain()
+        toolchain.prepare_cuda_toolchain()
 
 
 # ---------------------------------------------------------------------- CUDA kernel
@@ -336,7 +338,7 @@ EMU_SOURCES = {"faithful": "wkv6_cuda.cu", "fast": "wkv6_cuda_fast.cu"}
 def _build_emulator(tmp_path, variant, N, t_max):
     import ctypes
     import subprocess
-    src_dir = build.source_dir()
+    src_dir = toolchain.source_dir()
     cu = src_dir / EMU_SOURCES[variant]
     if not cu.is_file():
         pytest.skip(f"{cu.name} not present")
@@ -458,13 +460,13 @@ def _spec(folder, **kw):
                   headers=(folder / "wkv6_common.cuh",), cflags=("-O3",),
                   cuda_cflags=("-O3",), arch_list="8.0;9.0+PTX")
     fields.update(kw)
-    return build.KernelSpec(**fields)
+    return cache.KernelSpec(**fields)
 
 
 def _copy_sources(dst):
     dst.mkdir()
     for name in ("wkv6_op.cpp", "wkv6_cuda.cu", "wkv6_common.cuh"):
-        shutil.copy(build.source_dir() / name, dst / name)
+        shutil.copy(toolchain.source_dir() / name, dst / name)
     return dst
 
 
@@ -502,18 +504,18 @@ def test_cuda_spec_hashes_every_included_header(variant):
 def test_cuda_arch_list_without_gpu_ends_in_ptx(monkeypatch):
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    archs = build.cuda_arch_list()
+    archs = toolchain.cuda_arch_list()
     assert archs == "7.5;8.0;9.0+PTX"
-    flags = build.cuda_gencode_flags(archs)
+    flags = toolchain.cuda_gencode_flags(archs)
     assert flags[-2:] == ["-gencode=arch=compute_90,code=sm_90",
                           "-gencode=arch=compute_90,code=compute_90"]
     assert "-gencode=arch=compute_75,code=sm_75" in flags
     assert not any("compute_80,code=compute_80" in f for f in flags)  # PTX of the top arch only
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6 9.0a")  # the user's list, as given
-    assert build.cuda_arch_list() == "8.6;9.0a"
-    assert build.cuda_gencode_flags("9.0a") == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert toolchain.cuda_arch_list() == "8.6;9.0a"
+    assert toolchain.cuda_gencode_flags("9.0a") == ["-gencode=arch=compute_90a,code=sm_90a"]
     with pytest.raises(WKVError, match="sm_80"):
-        build.cuda_gencode_flags("sm_80")
+        toolchain.cuda_gencode_flags("sm_80")
 
 
 def test_build_lock_held_too_long_times_out_naming_the_lock(tmp_path):
@@ -522,15 +524,15 @@ def test_build_lock_held_too_long_times_out_naming_the_lock(tmp_path):
 
     from rwkv_clip.errors import KernelBuildError
     lock = tmp_path / "build.lock"
-    with build.build_lock(lock, timeout=5):
+    with cache.build_lock(lock, timeout=5):
         t0 = time.monotonic()
         with pytest.raises(KernelBuildError) as info:
-            with build.build_lock(lock, timeout=0.5):
+            with cache.build_lock(lock, timeout=0.5):
                 pytest.fail("a second holder got the lock")
         assert 0.4 < time.monotonic() - t0 < 5
     msg = str(info.value)
-    assert str(lock) in msg and f"pid {os.getpid()}" in msg and build.LOCK_TIMEOUT_ENV_VAR in msg
-    with build.build_lock(lock, timeout=0.5):  # released on exit
+    assert str(lock) in msg and f"pid {os.getpid()}" in msg and cache.LOCK_TIMEOUT_ENV_VAR in msg
+    with cache.build_lock(lock, timeout=0.5):  # released on exit
         pass
 
 
@@ -542,8 +544,8 @@ def test_lock_of_a_killed_builder_does_not_block(tmp_path):
     import time
     from pathlib import Path
     lock = tmp_path / "build.lock"
-    code = ("import sys, time\nfrom pathlib import Path\nfrom rwkv_clip.ops import build\n"
-            f"with build.build_lock(Path({str(lock)!r}), 5):\n"
+    code = ("import sys, time\nfrom pathlib import Path\nfrom rwkv_clip.ops import cache\n"
+            f"with cache.build_lock(Path({str(lock)!r}), 5):\n"
             "    print('locked', flush=True); time.sleep(600)\n")
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -553,12 +555,12 @@ def test_lock_of_a_killed_builder_does_not_block(tmp_path):
         assert proc.stdout.readline().strip() == "locked"
         from rwkv_clip.errors import KernelBuildError
         with pytest.raises(KernelBuildError, match="build.lock"):
-            with build.build_lock(lock, timeout=0.3):
+            with cache.build_lock(lock, timeout=0.3):
                 pass
         os.kill(proc.pid, signal.SIGKILL)  # a builder killed mid-build
         proc.wait(timeout=30)
         t0 = time.monotonic()
-        with build.build_lock(lock, timeout=10):
+        with cache.build_lock(lock, timeout=10):
             pass
         assert time.monotonic() - t0 < 2
     finally:
@@ -576,12 +578,12 @@ def test_failed_compile_raises_kernel_build_error_with_compiler_output(
     src = tmp_path / "broken_kernel.cpp"
     if case == "syntax error":
         src.write_text("int broken_function( { return 0; }\n")
-        spec = build.KernelSpec(what="a test (syntax error)", base_name="rwkv_clip_test_syntax",
+        spec = cache.KernelSpec(what="a test (syntax error)", base_name="rwkv_clip_test_syntax",
                                 sources=(src,))
         expected = "broken_kernel.cpp"
     else:
         src.write_text("int fine_function() { return 0; }\n")
-        spec = build.KernelSpec(what="a test (bogus flag)", base_name="rwkv_clip_test_flag",
+        spec = cache.KernelSpec(what="a test (bogus flag)", base_name="rwkv_clip_test_flag",
                                 sources=(src,), cflags=("-fno-such-flag-rwkv-clip",))
         expected = "-fno-such-flag-rwkv-clip"
     with pytest.raises(KernelBuildError) as info:
@@ -609,8 +611,9 @@ def test_build_cli_failure_is_one_error_line_and_exit_2(tmp_path):
     res = subprocess.run([sys.executable, "-m", "rwkv_clip.ops", "build", "--no-cuda"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stdout + res.stderr
-    errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
-    assert len(errors) == 1 and errors[0].startswith("python -m rwkv_clip.ops: error: ")
+    # one error line, the compiler's last lines indented below it
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("python -m rwkv_clip.ops: error: ")]
+    assert len(errors) == 1
     assert "building the WKV kernel for CPU" in errors[0]
     assert "Traceback" not in res.stderr
 

@@ -26,6 +26,18 @@ def tiny_model(**overrides):
     return create_RWKV_Model(args)
 
 
+def record_step_grads(model, optimizer) -> dict:
+    """The gradients ``optimizer`` steps with, by parameter name, filled at each step
+    (``train_step`` clears the gradients after the step)."""
+    grads: dict = {}
+
+    def hook(opt, args, kwargs):
+        grads.update({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    optimizer.register_step_pre_hook(hook)
+    return grads
+
+
 def make_tiny_rec(folder: str | os.PathLike, n: int = 48, seed: int = 0, size: int = 24) -> str:
     """Write ``n`` coloured-square images with three caption styles to a .rec; return
     its prefix."""

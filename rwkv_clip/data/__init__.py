@@ -18,10 +18,11 @@ Importing this package has no side effects (DALI, open_clip and torch data worke
 are imported or started only when used).
 """
 
+from ..errors import DataError
 from .builtin import BuiltinDataset, ensure_builtin_dataset
 from .dali_pipeline import dali_available, dali_dataloader
-from .loader import build_eval_loader, build_train_loader
-from .recordio import DataError, IRHeader, RecordIOReader, RecordIOWriter, check_rec, pack, unpack
+from .loader import LoaderArgs, build_eval_loader, build_train_loader
+from .recordio import IRHeader, RecordIOReader, RecordIOWriter, check_rec, pack, unpack
 from .tokens import (
                        CONTEXT_LENGTH,
                        NUM_LABELS,
@@ -37,6 +38,7 @@ __all__ = [
     "DataError", "IRHeader", "RecordIOReader", "RecordIOWriter", "check_rec", "pack", "unpack",
     "CONTEXT_LENGTH", "NUM_LABELS", "CaptionTokens", "decode_tokens", "encode_captions",
     "encode_captions_batch", "normalize_labels", "convert", "write_rec", "write_wds",
-    "BuiltinDataset", "ensure_builtin_dataset", "build_train_loader", "build_eval_loader",
+    "BuiltinDataset", "ensure_builtin_dataset", "LoaderArgs", "build_train_loader",
+    "build_eval_loader",
     "dali_available", "dali_dataloader",
 ]

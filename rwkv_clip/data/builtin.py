@@ -1,37 +1,16 @@
 """A built-in, procedurally generated image-text dataset (no download needed).
 
 Each 64 x 64 image shows one shape (circle, square, triangle, cross, star) in one of six
-colours (red, green, blue, yellow, purple, orange), with a random size (small / medium
-/ large), position (3 x 3 grid of regions, jittered, clamped inside the image), slight
-rotation and background (white, light gray, dark gray, black; plain, gradient or noisy).
-Shapes span 60-84% of the image side and the six colours are far apart, so shape and
-colour stay legible after the training crop and the resize to a small model's input
-(24-32 px). Size is the lever that matters most for how fast shape is learnt: with
-shapes of 44-80% of the side (v2), a supervised 2-block image tower reached 47% shape
-accuracy after 200 steps of 64, with these 76%. Three captions per image, stored as the
-raw / synthetic / generated variants; each names colour and shape, none the position
-or background (see :func:`captions`):
-
-* raw (terse):             "a red circle"
-* synthetic (descriptive): "a small red circle"
-* generated (paraphrased): synonyms and sentence templates, e.g. "there is a scarlet
-  round disc"
-
-Zero-shot classes are colour x shape (30 classes, chance 3.3%): colour alone is quick
-to learn and gives about 20% top-1 (the right colour, one of its 5 shapes at random);
-shape adds the rest. The held-out zero-shot split is an image folder with one sub-folder
-per class (``red_circle``...),
-``classnames.json`` (a list aligned with the sorted sub-folder names, i.e. torchvision
-``ImageFolder`` order) and ``templates.json`` (a list of prompt templates with ``{}``).
-A held-out ``val`` .rec (same distribution as train) is also written, for retrieval.
-
-The zero-shot images are drawn from their own random stream, never written to the
-training records. Everything is generated deterministically from ``seed`` (numpy PCG64
-streams per split;
-the same seed and Pillow version give identical bytes) into
-``<root>/builtin/<version-hash>/`` (``root`` defaults to ``$RWKV_CLIP_CACHE`` or
-``~/.cache/rwkv_clip``). Generation writes to a temporary folder that is renamed into
-place, so concurrent ranks are safe; a finished folder is reused.
+well-separated colours, with a random size, position (a jittered 3 x 3 grid), slight
+rotation and background; shapes are large so that they stay legible after the training
+crop and the resize to a small model's input. Three captions per image (the raw /
+synthetic / generated variants, see :func:`captions`) name colour and shape. Zero-shot
+classes are colour x shape (30 classes): a held-out image folder with ``classnames.json``
+and ``templates.json``, drawn from its own random stream; a held-out ``val`` .rec serves
+retrieval. Everything is generated deterministically from ``seed`` into
+``<root>/builtin/<version-hash>/`` (``root``: ``$RWKV_CLIP_CACHE`` or
+``~/.cache/rwkv_clip``), written to a temporary folder and renamed into place, so
+concurrent ranks are safe and a finished folder is reused.
 """
 
 from __future__ import annotations
@@ -168,20 +147,21 @@ def render(rng: np.random.Generator, size: int = IMAGE_SIZE):
     # centre of the named 3x3 cell, jittered, clamped so the shape stays inside
     margin = r * 1.1
     cell = S / 3.0
-    cx = (col + 0.5) * cell + rng.uniform(-0.1, 0.1) * cell
-    cy = (row + 0.5) * cell + rng.uniform(-0.1, 0.1) * cell
+    cx: float = (col + 0.5) * cell + rng.uniform(-0.1, 0.1) * cell
+    cy: float = (row + 0.5) * cell + rng.uniform(-0.1, 0.1) * cell
     cx = float(np.clip(cx, margin, S - margin))
     cy = float(np.clip(cy, margin, S - margin))
     rot = rng.uniform(-0.15, 0.15)
     fill = tuple(int(np.clip(v + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1), 0, 255))
                  for v in COLORS[color])
-    bg_img = Image.fromarray(_background(rng, bg, style, size)).resize((S, S), Image.NEAREST)
+    bg_img = Image.fromarray(_background(rng, bg, style, size)).resize(
+        (S, S), Image.Resampling.NEAREST)
     draw = ImageDraw.Draw(bg_img)
     if shape == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
     else:
         draw.polygon(_polygon(shape, cx, cy, r, rot), fill=fill)
-    img = bg_img.resize((size, size), Image.BOX)
+    img = bg_img.resize((size, size), Image.Resampling.BOX)
     attrs = {"shape": shape, "color": color, "size": size_name, "bg": bg, "style": style,
              "position": POSITIONS[int(row)][int(col)]}
     # the clamp may have moved the shape out of its cell: name the real position

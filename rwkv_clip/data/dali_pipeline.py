@@ -1,63 +1,11 @@
 """The original RWKV-CLIP DALI pipeline (dali.py), on GPU and in a CPU-only mode.
 
-``dali_dataloader(args)`` keeps the original's contract: ``args.train_data`` is the
-``.rec``/``.idx`` prefix, ``args.batch_size``, ``args.workers`` (DALI threads),
-``args.input_size``; rank / local rank / world size come from ``args.rank`` /
-``args.world_size`` when set, else from the torchrun environment (RANK, LOCAL_RANK,
-WORLD_SIZE), defaulting to 0/0/1. It yields ``(images, tokens)`` torch tensors: images
-float32 (B, 3, S, S) CHW normalised with the CLIP mean/std, tokens int64 (B, 231);
-``reset()`` per epoch, ``set_epoch(E)`` (a resumed run), ``len()``, ``skipped``.
-
-GPU (as the original): ``readers.mxnet`` sharded by rank with ``random_shuffle`` and
-``initial_fill=16384``; ``decoders.image_random_crop`` on ``"mixed"`` (aspect 0.8-1.25,
-area 0.7-1.0, 100 attempts, device/host memory padding 211025920/140544512); GPU
-``resize`` to S x S (linear); ``random.coin_flip`` mirror; ``crop_mirror_normalize``
-with mean/std x 255, CHW float; ``prefetch_queue_depth=3``; ``seed=rank + 1467``;
-``device_id=LOCAL_RANK``.
-
-CPU-only (no CUDA device, ``args.dali_cpu=True`` or ``args.device == 'cpu'``): the same
-graph with ``device_id=None`` and every operator on ``"cpu"`` (the memory paddings are
-GPU-decoder options and are not passed).
-
-WebDataset (``args.data_format == 'wds'``): ``readers.webdataset`` with ``ext
-["jpg;jpeg;png;webp", "tok"]`` and ``dtypes [UINT8, INT32]``, the rest identical.
-
-Evaluation variant (``train=False``): plain decode, resize the shorter side to
-``int(256/224*S)``, centre crop S, no mirror, no shuffle, partial last batch.
-
-Differences from the original, on purpose:
-
-* One pipeline per epoch, seeded by (seed, rank, epoch) (epoch 0 keeps the original's
-  ``rank + 1467``), its reader on shard ``(rank + epoch) % world`` (the original's one
-  pipeline moves on by a shard per epoch the same way). Epoch E is then a function of
-  the run's settings alone, so a resumed run reproduces it exactly; the original's
-  continuous streams after E epochs are reachable only by running E epochs (and
-  ``reset()`` on a fresh iterator is refused with "DALI iterator does not support
-  resetting while epoch is not finished", which made resumes diverge).
-* ``pad_last_batch=True`` with the FILL policy: every epoch on every rank has the same
-  ``ceil(shard/B)`` full batches (the original's ``pad_last_batch=False`` + FILL lets
-  the epoch boundary drift and the per-epoch batch count vary, which can desynchronise
-  DDP ranks).
-* Labels are converted to int64 and 154-label records (two captions) are padded to
-  231 by repeating the second caption (in DALI, ``fn.pad`` with -1, then in torch).
-* Bad input: files are checked in Python first (``check_rec`` / ``check_wds``, the
-  checks the torch loader makes: structure, label count, label values are token ids);
-  record-level problems raise :class:`DataError` or, with ``skip_corrupt``, are dropped
-  via a filtered index (WebDataset: only whole bad shards can be dropped). What the
-  pre-check cannot see - an image DALI fails to decode, or labels of records a quick
-  check skipped (every batch's labels are checked) - stops the pipeline; the record is
-  then located by reading the data as the torch loader does, and raised as the same
-  DataError the torch loader gives, or, with ``skip_corrupt`` (``.rec``), dropped and
-  counted: the epoch's pipeline is rebuilt without it and advanced to where it stood.
-  Whether an image decodes is one predicate for both loaders
-  (:func:`.decoding.decode_image`: PIL with DALI's CPU rules - nvImageCodec's header
-  check, errors after the last pixel row tolerated), so on damaged JPEGs both train on
-  and skip the same records. An image DALI refuses while the predicate accepts it (none
-  in the measured set; GPU decoding, nvJPEG, is not covered by the measurement) cannot
-  be located: DALI then stops with "DALI failed and no bad record was found in Python",
-  with or without ``skip_corrupt``.
-* On GPU, images come back as CUDA tensors and tokens as CPU int64 tensors (as the
-  original: its labels were moved with ``.cuda()`` in the training loop).
+``dali_dataloader(args)`` keeps the original's contract and graph (``readers.mxnet`` or
+``readers.webdataset``, random-crop decode, resize, mirror, normalise). On purpose it
+differs in three ways: one pipeline per epoch seeded by (seed, rank, epoch), so a resumed
+run reproduces any epoch; padded last batches, so every rank has the same batch count;
+and files are checked in Python first, so bad records raise the torch loader's
+:class:`~rwkv_clip.errors.DataError` (or are skipped with ``skip_corrupt``).
 """
 
 from __future__ import annotations
@@ -65,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from typing import Any
 
 import torch
 
 from ..distributed import DistInfo, launch_environment
-from ..errors import DistributedError
-from .recordio import DataError, check_rec, rec_paths, write_index
+from ..errors import DataError, DistributedError
+from .recordio import check_rec, rec_paths, write_index
 from .tokens import CONTEXT_LENGTH, NUM_LABELS, VOCAB_SIZE
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -159,12 +108,15 @@ class DALIWrapper:
         self.log = log
         self.skipped = 0            # records dropped (before the run and while running)
         self.skipped_epoch = 0      # of them, in the current epoch (run time only)
-        self.num_samples = None     # usable pairs over all ranks (set by the builder)
+        self.num_samples: int | None = None  # usable pairs over all ranks (set by the builder)
         self.dropped: set = set()   # keys dropped while running
-        self.iter = None
+        self.iter: Any = None
         self.epoch = 0
         self._open(0)
-        self._len = len(self.iter)
+        self._len = len(self._current_iter())
+
+    def _current_iter(self) -> Any:
+        return self.iter
 
     # ---- position
     def _open(self, epoch: int, origin: int = 0) -> None:
@@ -278,7 +230,8 @@ def _find_bad_rec(rec_prefix: str, entries, first_only: bool):
     def find_bad(exc, dropped=frozenset()):
         chk = check_rec(rec_prefix, level="full")
         keys = {k for k, _ in entries} - set(dropped)
-        found = [(r, chk.rec_path, k) for k, r in chk.bad if k in keys]
+        found: list[tuple[Any, str | None, Any]] = [(r, chk.rec_path, k) for k, r in chk.bad
+                                                    if k in keys]
         if found and first_only:
             return found[:1]
         blamed = {f[2] for f in found}
@@ -333,8 +286,14 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
                       check_level: str | None = None, cache_dir: str | None = None,
                       log=print) -> DALIWrapper:
     """Build the DALI loader for a rec prefix or wds shard spec (see module docstring)."""
-    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali import fn as dali_fn
+    from nvidia.dali import pipeline_def
+    from nvidia.dali import types as dali_types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    # DALI's graph functions are generated at run time; its stubs do not model them
+    fn: Any = dali_fn
+    types: Any = dali_types
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
@@ -396,8 +355,10 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
     dec_device = "cpu" if cpu else "mixed"
     op_device = "cpu" if cpu else "gpu"
 
-    @pipeline_def(batch_size=batch_size, num_threads=n_threads,
-                  device_id=None if cpu else local_rank, prefetch_queue_depth=3)
+    device_id: Any = None if cpu else local_rank
+
+    @pipeline_def(batch_size=batch_size, num_threads=n_threads, device_id=device_id,
+                  prefetch_queue_depth=3)
     def pipeline(shard_id: int, index_path: str | None):
         # One epoch per pipeline: the shard moves on by one each epoch, as DALI's readers
         # do by themselves without stick_to_shard (same coverage over the epochs).
@@ -424,7 +385,7 @@ def build_dali_loader(data, batch_size: int, input_size: int, workers: int = 4,
                 **gpu_kw)
             images = fn.resize(images, device=op_device, resize_x=S, resize_y=S,
                                interp_type=types.INTERP_LINEAR)
-            mirror = fn.random.coin_flip(probability=0.5)
+            mirror: Any = fn.random.coin_flip(probability=0.5)
         else:
             images = fn.decoders.image(jpegs, device=dec_device, output_type=types.RGB,
                                        **gpu_kw)
@@ -464,3 +425,44 @@ def dali_dataloader(args, train: bool = True):
         train=train, cpu=_want_cpu(args), rank=rank, local_rank=local, world_size=world,
         seed=getattr(args, "dali_seed", None), skip_corrupt=getattr(args, "skip_corrupt", False),
         check_level=getattr(args, "check_level", None))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python dali.py``: read a few batches of training data through the DALI pipeline
+    (the loader train.py uses where DALI is installed) and print their shapes and rate."""
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(
+        prog="python dali.py",
+        description="Read a few batches through the original's DALI pipeline (GPU, or CPU "
+                    "operators without a GPU) and print their shapes and images/s: a check "
+                    "that DALI reads your .rec or WebDataset shards.")
+    p.add_argument("--train-data", required=True,
+                   help="PREFIX of PREFIX.rec + PREFIX.idx (scripts/make_rec.py's output), or "
+                        "WebDataset shards with --data-format wds")
+    p.add_argument("--data-format", choices=("rec", "wds"), default="rec",
+                   help="rec (MXNet RecordIO) or wds (WebDataset .tar shards); default rec")
+    p.add_argument("--batch-size", type=int, default=32, help="images per batch; default 32")
+    p.add_argument("--input-size", type=int, default=224, help="image side S; default 224")
+    p.add_argument("--workers", type=int, default=2, help="DALI threads; default 2")
+    p.add_argument("--batches", type=int, default=4, help="batches to read; default 4")
+    p.add_argument("--cpu", action="store_true", help="CPU operators even with a GPU")
+    p.add_argument("--eval", action="store_true",
+                   help="the evaluation variant (centre crop, file order)")
+    a = p.parse_args(argv)
+    loader = build_dali_loader(a.train_data, a.batch_size, a.input_size, a.workers,
+                               data_format=a.data_format, train=not a.eval,
+                               cpu=True if a.cpu else None)
+    print(f"DALI pipeline on {'CPU' if a.cpu or not torch.cuda.is_available() else 'GPU'}: "
+          f"{len(loader)} batches per epoch of {a.batch_size}")
+    t0, n = time.perf_counter(), 0
+    for i, (images, tokens) in enumerate(loader):
+        n += images.shape[0]
+        print(f"batch {i + 1}: images {tuple(images.shape)} {images.dtype}, tokens "
+              f"{tuple(tokens.shape)} {tokens.dtype}")
+        if i + 1 >= a.batches:
+            break
+    print(f"{n} images in {time.perf_counter() - t0:.1f} s ({n / (time.perf_counter() - t0):.1f} "
+          "images/s, first batch included)")
+    return 0

@@ -1,26 +1,10 @@
 """The one image-decodability predicate of every training loader.
 
-The torch loader decodes with PIL; DALI's CPU decoder is nvImageCodec (its own JPEG
-header parser, then libjpeg-turbo, then an OpenCV fallback). On damaged JPEGs they
-used to disagree at the margin, so with ``skip_corrupt`` one loader trained on a record
-the other skipped. Measured on 1,656 damaged JPEGs (1, 2, 4 and 16 flipped bits in
-headers, entropy data and the tail; truncations; baseline, progressive, restart markers,
-greyscale, 4:4:4; 48x40 to 1200x900): plain PIL disagreed with DALI on 36 (and, on the
-760 tried with it, ``torchvision.io.decode_jpeg`` wherever PIL did), in two ways:
-
-* A libjpeg error raised *after the last pixel row* (e.g. a flipped byte that turns
-  entropy data into an unknown marker, met while libjpeg reads on to the end-of-image
-  marker): PIL reports "broken data stream"; DALI keeps the fully decoded image (35).
-* A header whose marker sequence is broken (a stray byte between segments, which PIL
-  skips as junk): nvImageCodec's parser refuses it before any decoder runs (1).
-
-:func:`decode_image` holds PIL to both rules and disagrees with DALI on none of the
-1,656, with ``decoders.image`` and with ``image_random_crop`` (whatever the crop seed
-or the draft size; see ``tests/test_data_decoder_agreement.py``). Truncated JPEGs (no end-of-image marker
-in the last KiB) are refused before decoding by the structural check
-(:func:`~.recordio.check_rec`) in every loader; records a quick check did not look at
-are the exception: PIL refuses a truncated JPEG, DALI's random crop can accept one when
-the crop ends above the missing rows. Non-JPEG images are decoded by PIL as they are.
+:func:`decode_image` holds PIL to DALI's CPU decoder's rules (nvImageCodec's header check
+refuses a broken marker sequence; a libjpeg error after the last pixel row keeps the
+decoded image), so with ``skip_corrupt`` the torch and DALI loaders train on and skip the
+same damaged JPEGs (``tests/test_data_decoder_agreement.py``). Truncated JPEGs are refused
+before decoding by :func:`~.recordio.check_rec`; non-JPEG images are decoded by PIL.
 """
 
 from __future__ import annotations

@@ -1,53 +1,67 @@
-"""One factory for training / evaluation loaders: DALI (GPU or CPU-only) or PyTorch.
-
-``build_train_loader(args)`` reads these attributes (missing ones take the default):
-
-* ``train_data``   rec prefix (``X`` for ``X.rec``/``X.idx``), wds shard spec (folder,
-  glob, brace pattern or ``::`` list), or for ``builtin`` an optional cache root;
-* ``data_format``  ``'rec'`` (default), ``'wds'``, ``'parquet'`` (files, folder, glob or
-  brace list; read by :mod:`rwkv_clip.data.parquet`, always with the torch
-  ``DataLoader``) or ``'builtin'`` (generated on first use, see
-  :mod:`rwkv_clip.data.builtin`; ``builtin_seed``, default 0, picks the set);
-* ``image_column``, ``caption_columns`` (``'raw,synthetic,generated'``): parquet columns
-  (default: img2dataset's ``jpg``/``caption`` or YFCC15M's ``images``/``texts``);
-* ``caption_tokens``: a ``.npy`` of shape (N, 77 x k), row i = record / sample i, whose
-  captions replace the first k variants (any format; rec/wds then use the torch loader);
-* ``batch_size``, ``workers`` (default 2), ``input_size`` (default 224), ``seed`` (0);
-* ``skip_corrupt`` (False): skip and count bad records instead of raising DataError;
-* ``device`` (``'cuda'``/``'cpu'``), ``rank``/``world_size`` (else torchrun env, else 0/1),
-  ``local_rank`` (else ``LOCAL_RANK``, else 0);
-* ``loader``: ``'auto'`` (default), ``'dali'`` or ``'torch'``.
-* ``check_level``: how much of a ``.rec`` is checked in Python before reading:
-  ``'full'`` (every record: two small reads each), ``'quick'`` (about 1000 records) or
-  ``'auto'``; default ``'auto'`` for DALI (full up to 1M records) and ``'quick'`` for
-  torch (which checks every record as it reads it anyway).
-
-``'auto'`` picks DALI when it is importable (GPU pipeline when ``device`` is CUDA and a
-GPU exists, else DALI's CPU-only mode) and the torch ``DataLoader`` otherwise. With
-``skip_corrupt`` and WebDataset shards containing single bad samples (which DALI cannot
-drop), ``auto`` falls back to torch.
-
-Every returned loader yields ``(images float32 (B, 3, S, S), tokens int64 (B, 231))``
-and has ``len()`` (batches per epoch, equal on all ranks for training), ``reset()``
-(call after each epoch), ``set_epoch(E)`` (go to the start of epoch E: a resumed run;
-epoch E's order and augmentation are a function of seed, rank and E, so taking B
-batches then reproduces any position exactly), ``skipped`` (records skipped so far) and
-``num_samples`` (usable training pairs over all ranks, for the batch-size check).
-Every loader applies the same record checks (decodable image, 231/154 labels, labels
-are token ids) and raises the same one-line :class:`DataError` naming file and record.
+"""One factory for training / evaluation loaders: DALI (GPU or CPU-only) or PyTorch, chosen
+by :class:`LoaderArgs`. Every loader yields ``(images float32 (B, 3, S, S), tokens int64
+(B, 231))``, applies the same record checks and raises the same one-line
+:class:`~rwkv_clip.errors.DataError` naming file and record.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
-from ..errors import TrainArgsError
+from ..errors import DataError, TrainArgsError
 from .dali_pipeline import build_dali_loader, dali_available, dist_info
-from .recordio import DataError, check_rec
+from .recordio import check_rec
 from .tokens import CaptionTokens
 from .torch_loader import RecSource, TokenArraySource, TorchLoader, WdsSource
+
+
+@dataclass
+class LoaderArgs:
+    """What :func:`build_train_loader` and :func:`build_eval_loader` read. Any namespace with
+    some of these attributes works too; a missing or None one takes the default here.
+
+    ``loader='auto'`` picks DALI when it is importable (GPU pipeline when ``device`` is CUDA
+    and a GPU exists, else DALI's CPU-only mode) and the torch ``DataLoader`` otherwise;
+    with ``skip_corrupt`` and WebDataset shards holding single bad samples (which DALI
+    cannot drop) it falls back to torch.
+
+    A returned loader has ``len()`` (batches per epoch, equal on all ranks for training),
+    ``reset()`` (after each epoch), ``set_epoch(E)`` (the start of epoch E: its order and
+    augmentation are a function of seed, rank and E, so a resumed run reproduces any
+    position), ``skipped`` and ``num_samples`` (usable pairs over all ranks).
+    """
+
+    # rec prefix (X for X.rec / X.idx), wds shard spec (folder, glob, brace pattern or a
+    # '::' list), parquet files (file, folder, glob or brace list), or for builtin an
+    # optional cache root
+    train_data: str | None = None
+    val_data: str | None = None  # build_eval_loader's data (default: train_data)
+    data_format: str = "rec"  # 'rec', 'wds', 'parquet' (torch loader only) or 'builtin'
+    builtin_seed: int = 0  # which built-in set (rwkv_clip.data.builtin)
+    # parquet columns (default: img2dataset's jpg/caption or YFCC15M's images/texts)
+    image_column: str | None = None
+    caption_columns: str | None = None  # e.g. 'raw,synthetic,generated'
+    parquet_shuffle_rows: bool | None = None
+    # a .npy of shape (N, 77 x k), row i = record / sample i, whose captions replace the
+    # first k variants (any format; rec and wds then use the torch loader)
+    caption_tokens: str | None = None
+    batch_size: int = 64
+    workers: int = 2
+    input_size: int = 224
+    seed: int = 0
+    skip_corrupt: bool = False  # skip and count bad records instead of raising DataError
+    device: str | None = None  # 'cuda' / 'cpu' (default: cuda when available)
+    rank: int | None = None  # default: the torchrun environment, else 0
+    world_size: int | None = None  # default: the torchrun environment, else 1
+    local_rank: int | None = None  # default: LOCAL_RANK, else 0
+    loader: str = "auto"  # 'auto', 'dali' or 'torch'
+    # how much of a .rec is checked in Python before reading: 'full' (every record),
+    # 'quick' (about 1000 records) or 'auto' (default: full up to 1M records for DALI,
+    # quick for torch, which checks every record as it reads it)
+    check_level: str | None = None
 
 
 def _get(args, name, default=None):
@@ -135,7 +149,7 @@ def _build(args, train: bool, data=None, fmt=None, log=print):
             raise DataError(reason, chk.rec_path, key)
         if chk.bad and log:
             log(f"[data] skipping {len(chk.bad)} corrupt record(s) in {chk.rec_path}")
-        source = RecSource(data, chk.good)
+        source: RecSource | TokenArraySource | WdsSource = RecSource(data, chk.good)
         pre_skipped = len(chk.bad)
         if tokens is not None:
             keys = [k for k, _ in chk.good]

@@ -37,13 +37,20 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import DataError
 from .tokens import encode_captions_batch, tokens_from_row
-from .torch_loader import MAX_SKIP_TRIES, image_tensor, private_generator
+from .torch_loader import (
+    MAX_SKIP_TRIES,
+    FailedSample,
+    image_tensor,
+    private_generator,
+    stop_workers,
+)
 from .wds import list_shards
 
 IMAGE_COLUMNS = ("jpg", "images", "image", "img")
@@ -108,16 +115,13 @@ def resolve_columns(schema, path: str, image_column: str | None = None,
     pa, _ = _pa()
     names = list(schema.names)
     have = ", ".join(names)
-    if image_column:
-        if image_column not in names:
-            raise DataError(f"no image column {image_column!r} (--image-column); the file "
-                            f"has columns: {have}", path)
-        image = image_column
-    else:
-        image = next((c for c in IMAGE_COLUMNS if c in names), None)
-        if image is None:
-            raise DataError(f"no image column (looked for {', '.join(IMAGE_COLUMNS)}; name it "
-                            f"with --image-column); the file has columns: {have}", path)
+    if image_column and image_column not in names:
+        raise DataError(f"no image column {image_column!r} (--image-column); the file "
+                        f"has columns: {have}", path)
+    image = image_column or next((c for c in IMAGE_COLUMNS if c in names), None)
+    if image is None:
+        raise DataError(f"no image column (looked for {', '.join(IMAGE_COLUMNS)}; name it "
+                        f"with --image-column); the file has columns: {have}", path)
     itype = schema.field(image).type
     struct = pa.types.is_struct(itype)
     if struct:
@@ -175,6 +179,7 @@ class ParquetIndex:
     units: list = field(default_factory=list)
     num_rows: int = 0           # rows of the readable files, filtered ones included
     filtered: int = 0           # rows with status != "success"
+    filtered_rows: list = field(default_factory=list)  # [(file index, group, row in group)]
     bad: list = field(default_factory=list)     # [(file, None, reason)] files dropped
     bad_rows: int = 0           # rows in dropped files
     rows_unknown: str | None = None  # a dropped file whose rows could not be counted
@@ -199,7 +204,7 @@ def index_parquet(spec, image_column: str | None = None, caption_columns=None,
     pa, pq = _pa()
     files = list_shards(spec, ext=".parquet")
     out = ParquetIndex(files)
-    ref_path = None
+    ref_path: str | None = None
     global_row = 0
     for fi, path in enumerate(files):
         try:
@@ -218,7 +223,7 @@ def index_parquet(spec, image_column: str | None = None, caption_columns=None,
                                               need_captions)
                 ref_path = path
             else:
-                _check_same_schema(schema, out.columns, path, ref_path)
+                _check_same_schema(schema, out.columns, path, ref_path or path)
         except DataError as e:
             if not skip_corrupt or _layout_error(e, out):
                 raise
@@ -239,6 +244,9 @@ def index_parquet(spec, image_column: str | None = None, caption_columns=None,
             rows = (_status_rows(pf, g) if out.columns.status
                     else np.arange(n, dtype=np.int32))
             out.filtered += n - len(rows)
+            if len(rows) < n:
+                out.filtered_rows += [(fi, g, int(r)) for r in
+                                      np.setdiff1d(np.arange(n, dtype=np.int32), rows)]
             if len(rows):
                 out.units.append(Unit(fi, g, row, global_row + row, rows))
             row += n
@@ -357,11 +365,12 @@ class ParquetRows:
     def __init__(self, index: ParquetIndex, cache_rows: int):
         self.files = index.files
         self.units = index.units
-        self.cols = index.columns
+        assert index.columns is not None  # set by the index once a file is read
+        self.cols: ParquetColumns = index.columns
         self.cache_rows = cache_rows
         self._files: OrderedDict = OrderedDict()
         self._tables: OrderedDict = OrderedDict()
-        self._pid = None
+        self._pid: int | None = None
 
     def __getstate__(self):
         st = self.__dict__.copy()
@@ -464,7 +473,7 @@ class ParquetBatches(torch.utils.data.Dataset):
         # window edge, of the next one): keep two windows' worth of row groups
         group_rows = max(int(u.rows[-1]) + 1 for u in index.units)
         self.rows = ParquetRows(index, cache_rows=2 * (self.shuffle_rows + group_rows))
-        self._plan = None
+        self._plan: EpochPlan | None = None
 
     def __len__(self):
         return self.share.num_batches
@@ -482,7 +491,14 @@ class ParquetBatches(torch.utils.data.Dataset):
         return img, caps, self.rows.row_id(u, j)
 
     def __getitem__(self, item):
-        b, epoch = item
+        try:
+            return self._batch(*item)
+        except DataError as e:
+            # returned, not raised: raised in a worker it would reach the user as a worker
+            # traceback; the main process raises it (ParquetLoader.__iter__)
+            return FailedSample(e)
+
+    def _batch(self, b: int, epoch: int):
         plan = self.plan(epoch)
         lo = b * self.share.bs
         hi = min(lo + self.share.bs, self.share.length)
@@ -505,7 +521,7 @@ class ParquetBatches(torch.utils.data.Dataset):
 
     def _tokens(self, caps: list, ids: list) -> np.ndarray:
         if caps[0] is None:
-            own = [None] * len(caps)
+            own: list[Any] = [None] * len(caps)
         elif isinstance(caps[0], np.ndarray):
             own = caps
         else:
@@ -554,8 +570,8 @@ class ParquetLoader:
         self.filtered = index.filtered
         self.log = log
         # forkserver workers for the torch loader's reason (no fork of a threaded process)
-        mp = dict(multiprocessing_context="forkserver", persistent_workers=True,
-                  prefetch_factor=2) if self.workers else {}
+        mp: dict[str, Any] = dict(multiprocessing_context="forkserver", persistent_workers=True,
+                                  prefetch_factor=2) if self.workers else {}
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=None, sampler=_BatchSampler(self),
             num_workers=self.workers, generator=private_generator(seed), **mp)
@@ -568,7 +584,11 @@ class ParquetLoader:
 
     def __iter__(self):
         self.skipped_epoch = 0
-        for imgs, toks, skipped in self._loader:
+        for batch in self._loader:
+            if isinstance(batch, FailedSample):
+                stop_workers(self._loader)
+                raise batch.error
+            imgs, toks, skipped = batch
             if skipped:
                 self.skipped += int(skipped)
                 self.skipped_epoch += int(skipped)
@@ -614,8 +634,21 @@ def iter_parquet_samples(spec, image_column: str | None = None, caption_columns=
 def _parquet_samples(index: ParquetIndex):
     for path, _, reason in index.bad:
         yield {"name": os.path.basename(path), "error": reason}
-    for _ in range(index.filtered):
-        yield {"name": None, "error": "img2dataset status is not 'success'"}
+    _, pq = _pa()
+    first_rows: dict[tuple[int, int], int] = {}  # (file, group) -> its first row in the file
+    for k, (fi, g, r) in enumerate(index.filtered_rows):
+        path = index.files[fi]
+        if (fi, g) not in first_rows:
+            md = pq.ParquetFile(path).metadata
+            first_rows[(fi, g)] = sum(md.row_group(i).num_rows for i in range(g))
+        detail = None
+        if k < 20:  # the first ones as examples: their key and status
+            pf = pq.ParquetFile(path)
+            cols = [c for c in ("key", STATUS_COLUMN) if c in pf.schema_arrow.names]
+            row = pf.read_row_group(g, columns=cols).slice(r, 1).to_pylist()[0]
+            detail = ", ".join(f"{c} {row[c]!r}" for c in cols)
+        yield {"name": f"{os.path.basename(path)}:row {first_rows[(fi, g)] + r}",
+               "error": "img2dataset status is not 'success'", "detail": detail}
     rows = ParquetRows(index, cache_rows=1)
     for u, unit in enumerate(index.units):
         for j in range(len(unit.rows)):

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO, TextIO
 
 import numpy as np
 
 from ..errors import DataError
+from .tokens import label_problem
 
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
@@ -54,7 +56,7 @@ def encode_record(payload: bytes) -> bytes:
     n = len(payload)
     if n >= (1 << 29):
         raise ValueError(f"record of {n} bytes is too large for RecordIO (< 2**29)")
-    out = []
+    out: list[bytes | memoryview] = []
     mv = memoryview(payload)
     lower_align = (n >> 2) << 2
     dptr = 0
@@ -117,14 +119,16 @@ class RecordIOWriter:
         os.makedirs(d, exist_ok=True)
         self._rec_tmp = rec_path + ".tmp"
         self._idx_tmp = idx_path + ".tmp"
-        self._rec = open(self._rec_tmp, "wb")
-        self._idx = open(self._idx_tmp, "w")
+        self._rec: BinaryIO | None = open(self._rec_tmp, "wb")
+        self._idx: TextIO | None = open(self._idx_tmp, "w")
         self._keys: set = set()
         self.count = 0
 
     def write(self, key: int, payload: bytes) -> None:
         if key in self._keys:
             raise ValueError(f"duplicate record key {key}")
+        if self._rec is None or self._idx is None:
+            raise ValueError(f"RecordIOWriter {self.rec_path} is closed")
         self._keys.add(key)
         offset = self._rec.tell()
         self._rec.write(encode_record(payload))
@@ -135,7 +139,7 @@ class RecordIOWriter:
         self.write(key, pack(IRHeader(0, 0.0, key, id2), labels, image))
 
     def close(self) -> None:
-        if self._rec is None:
+        if self._rec is None or self._idx is None:
             return
         self._rec.close()
         self._idx.close()
@@ -144,7 +148,7 @@ class RecordIOWriter:
         os.replace(self._idx_tmp, self.idx_path)
 
     def abort(self) -> None:
-        if self._rec is None:
+        if self._rec is None or self._idx is None:
             return
         self._rec.close()
         self._idx.close()
@@ -215,17 +219,20 @@ class RecordIOReader:
     """
 
     def __init__(self, prefix: str, check_index: bool = True):
-        self.rec_path, self.idx_path = rec_paths(prefix)
+        rec_path, idx_path = rec_paths(prefix)
+        self.rec_path = rec_path
+        self.idx_path: str | None = idx_path
         if not os.path.isfile(self.rec_path):
-            raise DataError("record file not found", self.rec_path)
+            raise DataError("record file not found (a .rec path is PREFIX.rec + PREFIX.idx, "
+                        "as scripts/make_rec.py writes them)", self.rec_path)
         self.rec_size = os.path.getsize(self.rec_path)
         if self.rec_size == 0:
             raise DataError("record file is empty", self.rec_path)
-        self.index = read_index(self.idx_path, self.rec_size if check_index else None)
+        self.index = read_index(idx_path, self.rec_size if check_index else None)
         self.keys = [k for k, _ in self.index]
         self._offsets = dict(self.index)
-        self._fh = None
-        self._pid = None
+        self._fh: BinaryIO | None = None
+        self._pid: int | None = None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -370,7 +377,6 @@ def _check_one(f, rec_size: int, key, off: int, check_image: bool) -> tuple[str 
     img_off = IR_SIZE + 4 * flag
     if cflag == 0 and length < img_off + 4:
         return "record holds no image bytes", flag
-    from .tokens import label_problem  # (tokens imports this module)
     problem = label_problem(np.frombuffer(payload, dtype="<f4", count=flag, offset=IR_SIZE))
     if problem:
         return problem, flag
@@ -413,7 +419,8 @@ def check_rec(prefix: str, level: str = "full", check_image: bool = True,
     """
     rec_path, idx_path = rec_paths(prefix)
     if not os.path.isfile(rec_path):
-        raise DataError("record file not found", rec_path)
+        raise DataError("record file not found (a .rec path is PREFIX.rec + PREFIX.idx, "
+                        "as scripts/make_rec.py writes them)", rec_path)
     rec_size = os.path.getsize(rec_path)
     if rec_size == 0:
         raise DataError("record file is empty", rec_path)
@@ -422,7 +429,7 @@ def check_rec(prefix: str, level: str = "full", check_image: bool = True,
     if level == "auto":
         level = "full" if n <= AUTO_FULL_CHECK_MAX else "quick"
     if level == "full":
-        sel = range(n)
+        sel: Sequence[int] = range(n)
     elif level == "quick":
         step = max(1, n // max_quick)
         sel = sorted(set(range(0, n, step)) | {n - 1})

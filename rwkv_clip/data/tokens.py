@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import DataError
 from ..tokenizer import EOT_TOKEN, SOT_TOKEN
-from .recordio import DataError
 
 CONTEXT_LENGTH = 77
 NUM_CAPTIONS = 3
@@ -151,7 +151,7 @@ class CaptionTokens:
             raise DataError(f"caption-token array has dtype {arr.dtype}; expected integer "
                             "token ids", self.path)
         self.shape = tuple(arr.shape)
-        self._arr = None
+        self._arr: np.ndarray | None = None
 
     def _open(self) -> np.ndarray:
         if not os.path.isfile(self.path):

@@ -34,13 +34,15 @@ from __future__ import annotations
 import math
 import os
 import random
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import DataError
 from .decoding import decode_image, undecodable
-from .recordio import DataError, RecordIOReader, unpack
+from .recordio import RecordIOReader, unpack
 from .tokens import normalize_labels
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -153,9 +155,9 @@ def _to_tensor(im: Image.Image, mean, std) -> torch.Tensor:
 
 def train_transform(im: Image.Image, size: int, rng: random.Random) -> torch.Tensor:
     x, y, cw, ch = random_resized_crop_params(im.width, im.height, rng)
-    im = im.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
+    im = im.resize((size, size), Image.Resampling.BILINEAR, box=(x, y, x + cw, y + ch))
     if rng.random() < 0.5:
-        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return _to_tensor(im, CLIP_MEAN, CLIP_STD)
 
 
@@ -166,7 +168,7 @@ def eval_transform(im: Image.Image, size: int) -> torch.Tensor:
         nw, nh = short, max(1, int(round(h * short / w)))
     else:
         nh, nw = short, max(1, int(round(w * short / h)))
-    im = im.resize((nw, nh), Image.BILINEAR)
+    im = im.resize((nw, nh), Image.Resampling.BILINEAR)
     left, top = (nw - size) // 2, (nh - size) // 2
     im = im.crop((left, top, left + size, top + size))
     return _to_tensor(im, CLIP_MEAN, CLIP_STD)
@@ -235,12 +237,12 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 if not self.skip_corrupt or len(failed) >= min(MAX_SKIP_TRIES, n - 1):
                     # returned, not raised: raised in a worker it would reach the user as
                     # a worker traceback; the main process raises it (TorchLoader.__iter__)
-                    return _Failed(e)
+                    return FailedSample(e)
                 failed.append(j)
                 j = (j + 1) % n
 
 
-class _Failed:
+class FailedSample:
     """A sample that could not be loaded: its DataError, carried to the main process."""
 
     def __init__(self, error: DataError):
@@ -248,12 +250,21 @@ class _Failed:
 
 
 def _collate(batch):
-    failed = [b for b in batch if isinstance(b, _Failed)]
+    failed = [b for b in batch if isinstance(b, FailedSample)]
     if failed:
         return failed[0]
     imgs = torch.stack([b[0] for b in batch])
     toks = torch.stack([b[1] for b in batch]).to(torch.int64)
     return imgs, toks, [j for b in batch for j in b[2]]
+
+
+def stop_workers(loader: torch.utils.data.DataLoader) -> None:
+    """Shut ``loader``'s worker processes down before an error leaves it, so none is left
+    starting up against a main process that is exiting (their noise buried the error)."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+    loader._iterator = None
 
 
 class ShardSampler(torch.utils.data.Sampler):
@@ -330,7 +341,7 @@ class TorchLoader:
         # Workers come from a forkserver, not fork(): forking a process that already runs
         # DALI / OpenMP threads can deadlock the child. They persist across epochs (the
         # epoch travels with each index), so the start-up cost is paid once.
-        mp = dict(multiprocessing_context="forkserver", persistent_workers=True,
+        mp: dict[str, Any] = dict(multiprocessing_context="forkserver", persistent_workers=True,
                   prefetch_factor=4) if self.workers else {}
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=batch_size, sampler=self.sampler,
@@ -346,7 +357,7 @@ class TorchLoader:
         self.skipped_epoch = 0
         met: set[int] = set()  # bad records met this epoch: each counts once, as in DALI
         for batch in self._loader:
-            if isinstance(batch, _Failed):
+            if isinstance(batch, FailedSample):
                 self._stop_workers()
                 raise batch.error
             imgs, toks, failed = batch
@@ -361,13 +372,7 @@ class TorchLoader:
             yield imgs, toks
 
     def _stop_workers(self) -> None:
-        """Shut the worker processes down before an error leaves the loader, so none is
-        left starting up against a main process that is exiting (their noise buried the
-        error)."""
-        it = getattr(self._loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        self._loader._iterator = None
+        stop_workers(self._loader)
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch`` (a resumed run): its permutation and draws."""

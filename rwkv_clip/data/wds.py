@@ -18,7 +18,7 @@ import os
 import tarfile
 from dataclasses import dataclass, field
 
-from .recordio import DataError
+from ..errors import DataError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 TOK_EXT = "tok"

@@ -39,11 +39,13 @@ import os
 import tarfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from .recordio import DataError, RecordIOWriter
+from ..errors import DataError
+from .recordio import RecordIOWriter
 from .tokens import NUM_LABELS, encode_captions_batch, labels_for_rec
 from .wds import sample_key
 
@@ -52,7 +54,12 @@ JPEG_QUALITY = 95
 
 
 class SkipSample(Exception):
-    """Raised for one input sample that cannot be used; the message is the reason."""
+    """Raised for one input sample that cannot be used; the message is the reason (what
+    the summary counts), ``detail`` what is particular to the sample (the path tried)."""
+
+    def __init__(self, reason: str, detail: str | None = None):
+        super().__init__(reason)
+        self.detail = detail
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -113,9 +120,12 @@ def iter_pairs_file(path: str, encoding: str = "utf-8") -> Iterator[dict]:
             if not img:
                 yield {"name": name, "error": "no image path"}
                 continue
-            img_path = img if os.path.isabs(img) else os.path.join(base, img)
+            relative = not os.path.isabs(img)
+            img_path = os.path.join(base, img) if relative else img
             yield {"name": name, "image_path": img_path, "raw": raw,
-                   "synthetic": syn, "generated": gen}
+                   "synthetic": syn, "generated": gen,
+                   "image_note": f"{img!r} is relative to the folder of {os.path.basename(path)}"
+                   if relative else None}
 
 
 def _group_sample(name: str, g: dict) -> dict:
@@ -154,7 +164,7 @@ def files_layout_dirs(folder: str) -> list[str]:
     ``.txt`` + ``.json``) that hold images, sorted; [] when it is not that layout."""
     out = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.is_dir() and any(_split_name(n) and _split_name(n)[1] in IMAGE_EXTS
+        if entry.is_dir() and any((split := _split_name(n)) and split[1] in IMAGE_EXTS
                                   for n in os.listdir(entry.path)):
             out.append(entry.path)
     return out
@@ -207,7 +217,9 @@ def iter_img2dataset(folder: str) -> Iterator[dict]:
                     key, ext = split
                     if ext not in IMAGE_EXTS + ("txt", "json"):
                         continue
-                    groups.setdefault(key, {})[ext] = tf.extractfile(m).read()
+                    member = tf.extractfile(m)
+                    if member is not None:
+                        groups.setdefault(key, {})[ext] = member.read()
             except (tarfile.TarError, OSError) as e:
                 yield {"name": t, "error": f"truncated or corrupt shard: {e}"}
             for key, g in groups.items():
@@ -240,7 +252,7 @@ def iter_input(path: str, image_column: str | None = None,
 def prepare_image(data: bytes, resize: int | None = None) -> bytes:
     """Validate (full decode) and return JPEG bytes; raise :class:`SkipSample` if bad."""
     try:
-        im = Image.open(io.BytesIO(data))
+        im: Image.Image = Image.open(io.BytesIO(data))
         fmt = im.format
         im.load()
     except Exception as e:  # PIL raises many types for bad data
@@ -263,7 +275,7 @@ def prepare_image(data: bytes, resize: int | None = None) -> bytes:
         w, h = im.size
         s = resize / min(w, h)
         if s < 1.0:  # only shrink
-            im = im.resize((max(1, round(w * s)), max(1, round(h * s))), Image.BICUBIC)
+            im = im.resize((max(1, round(w * s)), max(1, round(h * s))), Image.Resampling.BICUBIC)
     buf = io.BytesIO()
     im.save(buf, format="JPEG", quality=JPEG_QUALITY)
     return buf.getvalue()
@@ -296,13 +308,14 @@ def _load_bytes(sample: dict) -> bytes:
     if "image_bytes" in sample:
         return sample["image_bytes"]
     p = sample["image_path"]
+    tried = f"tried {p}" + (f"; {sample['image_note']}" if sample.get("image_note") else "")
     try:
         with open(p, "rb") as f:
             return f.read()
     except FileNotFoundError:
-        raise SkipSample("image file not found") from None
+        raise SkipSample("image file not found", tried) from None
     except OSError as e:
-        raise SkipSample(f"image file unreadable ({e.strerror})") from None
+        raise SkipSample(f"image file unreadable ({e.strerror})", tried) from None
 
 
 def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_examples: list,
@@ -311,12 +324,12 @@ def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_example
 
     A sample with stored ``tokens`` (231,) keeps them and has captions None.
     """
-    buf = []
+    buf: list[tuple[Any, bytes, tuple | None, Any]] = []
 
     def flush():
         if not buf:
             return
-        texts = [b[2] for b in buf if b[3] is None]
+        texts = [b[2] for b in buf if b[3] is None and b[2] is not None]
         toks = iter(encode_captions_batch(texts)) if texts else iter(())
         for name, jpg, caps, stored in buf:
             yield name, jpg, (next(toks) if stored is None else stored), caps
@@ -325,7 +338,7 @@ def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_example
     for s in samples:
         try:
             if "error" in s:
-                raise SkipSample(s["error"])
+                raise SkipSample(s["error"], s.get("detail"))
             stored = s.get("tokens")
             raw = s.get("raw")
             if stored is None and (not isinstance(raw, str) or not raw.strip()):
@@ -335,9 +348,10 @@ def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_example
             reason = str(e)
             summary["skipped: " + reason] += 1
             if len(skipped_examples) < 20:
-                skipped_examples.append((s.get("name"), reason))
+                skipped_examples.append((s.get("name"), reason + (f" ({e.detail})" if e.detail
+                                                                  else "")))
             continue
-        caps = None if stored is not None else (raw.strip(), s.get("synthetic"),
+        caps = None if stored is not None else (str(raw).strip(), s.get("synthetic"),
                                                 s.get("generated"))
         buf.append((s.get("name"), jpg, caps, stored))
         if len(buf) >= chunk:
@@ -366,11 +380,18 @@ def write_rec(samples: Iterable[dict], prefix: str, resize: int | None = None,
                                         resize, summary, examples):
             writer.write_image_record(writer.count, labels_for_rec(tok), jpg)
         if writer.count == 0:
-            raise DataError("no usable samples in the input; nothing written "
-                            f"({dict(summary)})", prefix + ".rec")
+            raise nothing_written(summary, examples, prefix + ".rec")
     return {"written": writer.count, "skipped": sum(summary.values()),
             "reasons": dict(summary), "examples": examples,
             "outputs": [prefix + ".rec", prefix + ".idx"]}
+
+
+def nothing_written(summary: Counter, examples: list, output: str) -> DataError:
+    """Every sample was skipped: the error says so first, then the reasons and examples."""
+    lines = [f"no usable samples in the input; nothing written to {output}"]
+    lines += [f"{n} x {reason.removeprefix('skipped: ')}" for reason, n in summary.most_common()]
+    lines += [f"e.g. {name}: {reason}" for name, reason in examples[:5]]
+    return DataError("\n".join(lines))
 
 
 def tokens_to_bytes(tok: np.ndarray) -> bytes:
@@ -395,7 +416,7 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
     summary: Counter = Counter()
     examples: list = []
     shards: list[str] = []
-    tf = None
+    tf: tarfile.TarFile | None = None
     n = 0
     try:
         for _, jpg, tok, caps in _prepared(_progress(samples, total, "make_wds", progress),
@@ -406,6 +427,7 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
                     os.replace(shards[-1] + ".tmp", shards[-1])
                 shards.append(f"{prefix}-{len(shards):06d}.tar")
                 tf = tarfile.open(shards[-1] + ".tmp", "w", format=tarfile.USTAR_FORMAT)
+            assert tf is not None
             key = f"{n:09d}"
             _add(tf, key + ".jpg", jpg)
             _add(tf, key + ".tok", tokens_to_bytes(tok))
@@ -426,8 +448,7 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
             os.remove(shards[-1] + ".tmp")
             shards.pop()
     if n == 0:
-        raise DataError(f"no usable samples in the input; nothing written ({dict(summary)})",
-                        prefix)
+        raise nothing_written(summary, examples, prefix + "-*.tar")
     return {"written": n, "skipped": sum(summary.values()), "reasons": dict(summary),
             "examples": examples, "outputs": shards}
 

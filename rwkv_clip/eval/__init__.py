@@ -11,12 +11,10 @@ Preprocessing per set, as the original: ``eval_transform(dataset, input_size)``.
 
 Importing this package reads no data and starts no process group.
 """
+from ..errors import DatasetNotFoundError, EvalError, ImageReadError
 from .datasets import (
                        PAPER_DATASETS,
                        ClassificationSet,
-                       DatasetNotFoundError,
-                       EvalError,
-                       ImageReadError,
                        build_classification_set,
                        default_classnames,
                        default_templates,

@@ -14,19 +14,13 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from ..config import parse_bool
+from ..config import str2bool
 from ..errors import EvalError, run_cli
+from .runner import ARCH_FLAGS, run
 
 DATA_ROOT_ENV = "RWKV_CLIP_DATA_ROOT"
 CLASSIFICATION_SETS = ("cifar10, cifar100, food101, pets, flowers, sun397, stanford_car, dtd, "
                        "caltech101, aircraft, imagenet")
-# Architecture flags of the original scripts -> config keys of the same name.
-ARCH_FLAGS = ("input_size", "image_depth", "image_embed_dims", "image_patch_size",
-              "image_hidden_rate", "image_num_heads", "image_output_cls_token",
-              "image_with_cls_token", "ctx_len", "vocab_size", "text_initialization",
-              "head_size", "text_num_head", "head_size_divisor", "n_layer", "n_embd",
-              "dim_att", "dim_ffn", "pos_emb", "head_qk", "tiny_att_dim", "tiny_att_layer",
-              "dropout")
 _BOOL_FLAGS = ("image_output_cls_token", "image_with_cls_token", "text_initialization")
 _FLOAT_FLAGS = ("dropout",)
 
@@ -53,14 +47,7 @@ Examples:
 """
 
 
-def _bool(text: str) -> bool:
-    parsed = parse_bool(text)
-    if parsed is None:
-        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
-    return parsed
-
-
-def build_parser(retrieval: bool = False) -> argparse.ArgumentParser:
+def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     """The parser of ``zero_shot.py`` (``retrieval=False``) or ``text_image_retrieval.py``."""
     prog = "text_image_retrieval.py" if retrieval else "zero_shot.py"
     description = ("Zero-shot image-text retrieval of RWKV-CLIP (MSCOCO, Flickr30k, JSONL)"
@@ -164,6 +151,7 @@ def build_parser(retrieval: bool = False) -> argparse.ArgumentParser:
                         "ending in .txt is read as the original's score file and the JSONs "
                         "go beside it. Default: beside the evaluated run (runs/X/eval_results "
                         "for runs/X/checkpoints/Y.pt, <folder>/eval_results for other weights, "
+                        "runs/pretrained/<name>/eval_results for weights by name, "
                         "runs/zero_shot/eval_results for a fresh model)")
     g.add_argument("--score-file", default=None, metavar="TXT",
                    help="text file to append the original's comma-separated score line to")
@@ -174,7 +162,7 @@ def build_parser(retrieval: bool = False) -> argparse.ArgumentParser:
         "override the chosen config (see --config)")
     for key in ARCH_FLAGS:
         flag = "--" + key.replace("_", "-")
-        typ = _bool if key in _BOOL_FLAGS else float if key in _FLOAT_FLAGS else int
+        typ = str2bool if key in _BOOL_FLAGS else float if key in _FLOAT_FLAGS else int
         names = [flag]
         if retrieval and key == "image_output_cls_token":
             names.append("--image-output-cls_token")  # the original retrieval script's spelling
@@ -189,7 +177,7 @@ def build_parser(retrieval: bool = False) -> argparse.ArgumentParser:
 def parse_options(argv: Sequence[str] | None = None, retrieval: bool = False
                   ) -> argparse.Namespace:
     """Parsed and checked options (what :func:`rwkv_clip.eval.runner.run` takes)."""
-    opts = build_parser(retrieval).parse_args(argv)
+    opts = build_eval_parser(retrieval).parse_args(argv)
     if opts.batch_size < 1 or opts.text_batch_size < 1 or opts.workers < 0:
         raise EvalError(f"--batch-size ({opts.batch_size}) and --text-batch-size "
                         f"({opts.text_batch_size}) must be >= 1, --workers ({opts.workers}) "
@@ -208,7 +196,6 @@ def parse_options(argv: Sequence[str] | None = None, retrieval: bool = False
 def _main(argv: Sequence[str] | None, retrieval: bool) -> int:
     from ..distributed import launch_environment, pick_device
     from ..host_memory import configure_host_malloc
-    from .runner import run
 
     opts = parse_options(argv, retrieval)
     # the process is ours: on the CPU it keeps freed memory for the next batch's reuse

@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from ..errors import ImageReadError
 from ..precision import get_precision
-from .datasets import ImageReadError
 from .distributed import DistInfo, current, fail_together, gather_rows, shard_range
 
 
@@ -20,7 +21,7 @@ def progress(iterable, desc: str, total: int | None = None, info: DistInfo | Non
     (as the training bar), so redirected logs stay clean."""
     from tqdm import tqdm
 
-    show = (info or current()).is_main
+    show = (info or current()).is_master
     return tqdm(iterable, desc=desc, total=total, unit="batch", leave=False, file=sys.stderr,
                 dynamic_ncols=True, disable=None if show else True)
 
@@ -60,7 +61,7 @@ def _collate(batch):
 
 
 @torch.no_grad()
-def encode_image_shard(model, dataset: Dataset, device: torch.device, batch_size: int,
+def encode_image_shard(model, dataset: Any, device: torch.device, batch_size: int,
                        workers: int = 0, precision: str = "fp32",
                        describe: Callable[[int], str] | None = None,
                        fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -98,7 +99,7 @@ def _feature_width(model) -> int:
 
 
 @torch.no_grad()
-def encode_images_gathered(model, dataset: Dataset, device: torch.device, batch_size: int,
+def encode_images_gathered(model, dataset: Any, device: torch.device, batch_size: int,
                            workers: int = 0, precision: str = "fp32",
                            describe: Callable[[int], str] | None = None,
                            fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -117,15 +118,21 @@ def encode_images_gathered(model, dataset: Dataset, device: torch.device, batch_
 
 @torch.no_grad()
 def encode_texts(model, texts: Sequence[str], device: torch.device, batch_size: int,
-                 precision: str = "fp32") -> torch.Tensor:
-    """(len(texts), C) L2-normalised float32 text features."""
-    from ..tokenizer import tokenize
+                 precision: str = "fp32",
+                 tokenizer: Callable[[list[str]], torch.Tensor] | None = None) -> torch.Tensor:
+    """(len(texts), C) L2-normalised float32 text features; ``tokenizer`` defaults to CLIP's
+    BPE at the model's context length."""
+    if tokenizer is None:
+        import functools
 
+        from ..tokenizer import tokenize
+
+        ctx_len = getattr(getattr(model.text_model, "args", None), "ctx_len", 77)
+        tokenizer = functools.partial(tokenize, context_length=ctx_len)
     feats = []
-    ctx_len = getattr(getattr(model.text_model, "args", None), "ctx_len", 77)
     starts = range(0, len(texts), batch_size)
     for start in progress(starts, "encoding texts", total=len(starts)):
-        tokens = tokenize(list(texts[start:start + batch_size]), context_length=ctx_len)
+        tokens = tokenizer(list(texts[start:start + batch_size]))
         with autocast(device, precision):
             f = model.encode_text(tokens.to(device))
         feats.append(F.normalize(f.float(), dim=-1).cpu())

@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from ..errors import DataError, EvalError
+from ..errors import DataError, DatasetNotFoundError, EvalError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 ORIGINAL_SEED = 3072  # the original zero_shot.py passes seed=3072 to every loader
@@ -46,14 +46,6 @@ ALIASES = {
     "stanford_cars": "stanford_car", "cars": "stanford_car", "imagenet1k": "imagenet",
     "sun": "sun397", "caltech": "caltech101",
 }
-
-
-class DatasetNotFoundError(EvalError):
-    pass
-
-
-class ImageReadError(EvalError):
-    pass
 
 
 # ------------------------------------------------------------------ shipped data
@@ -112,7 +104,7 @@ def fill_template(template: str, classname: str) -> str:
 class ClassificationSet:
     """A classification test set: ``dataset[i] -> (PIL image or tensor, label)``."""
     name: str
-    dataset: Dataset
+    dataset: Any  # a map-style dataset with len()
     classnames: list[str]
     templates: list[str]
     describe: Callable[[int], str] = field(default=lambda i: f"sample {i}")
@@ -160,8 +152,8 @@ class ImageListDataset(Dataset):
 
     def __getitem__(self, index: int):
         path, label = self.samples[index]
-        with Image.open(path) as img:
-            img = img.convert("RGB")
+        with Image.open(path) as opened:
+            img = opened.convert("RGB")
         if self.transform is not None:
             img = self.transform(img)
         return img, label
@@ -256,7 +248,7 @@ class Caltech101Images(Dataset):
         cats = sorted(os.listdir(base))
         if "BACKGROUND_Google" in cats:
             cats.remove("BACKGROUND_Google")
-        self.samples = []
+        self.samples: list[tuple[str, int]] = []
         for label, cat in enumerate(cats):
             n = len(os.listdir(base / cat))
             self.samples.extend((str(base / cat / f"image_{i:04d}.jpg"), label) for i in range(1, n + 1))
@@ -325,8 +317,8 @@ class RecordImageSet(Dataset):
         key, header, labels, data = self.reader.read_item(index)
         target = self.label(header, labels, key)
         try:
-            with Image.open(io.BytesIO(data)) as img:
-                img = img.convert("RGB")
+            with Image.open(io.BytesIO(data)) as opened:
+                img = opened.convert("RGB")
         except Exception as exc:
             raise DataError(f"undecodable image ({type(exc).__name__}: {exc})",
                             self.reader.rec_path, key) from None
@@ -487,7 +479,7 @@ def build_classification_set(name: str, data_root: str | os.PathLike, transform=
                                                       download=False, transform=transform))
     elif name == "caltech101":
         _require(name, root, [root / "caltech101" / "101_ObjectCategories"], layout)
-        full = Caltech101Images(root, transform)
+        full: Any = Caltech101Images(root, transform)
         if len(full.categories) != 101:
             raise _missing(name, root, layout, f"(found {len(full.categories)} categories, expected 101)")
         if caltech101_split == "all":

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import DistInfo, current
-from .datasets import EvalError
+from ..errors import PeerRankError
 
 
 def shard_range(n: int, rank: int, world_size: int) -> range:
@@ -37,10 +37,6 @@ def gather_rows(indices: torch.Tensor, *tensors: torch.Tensor, info: DistInfo | 
         payload = [torch.cat(list(p), dim=0) for p in parts]
     order = torch.argsort(payload[0])
     return tuple(t[order] for t in payload[1:])
-
-
-class PeerRankError(EvalError):
-    """Another rank failed; its own error message says why."""
 
 
 def _count_failures(failed: bool) -> int:

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import DatasetNotFoundError, EvalError
 from .common import encode_images_gathered, encode_texts
-from .datasets import DatasetNotFoundError, EvalError, ImageListDataset
+from .datasets import ImageListDataset
 from .distributed import DistInfo, current, fail_together, gather_rows, shard_range
 from .metrics import retrieval_metrics
 
@@ -151,7 +152,9 @@ def load_retrieval_file(path: str | os.PathLike, image_root: str | os.PathLike |
     records = _merge_by_image(_records_from_file(path))
     if not records:
         raise EvalError(f"{path}: no records")
-    images, captions, t2i = [], [], []
+    images: list[str] = []
+    captions: list[str] = []
+    t2i: list[int] = []
     for i, (rel, caps) in enumerate(records):
         resolved = _resolve_image(rel, roots)
         if resolved is None:
@@ -181,7 +184,7 @@ def build_retrieval_set(name: str, data_root: str | os.PathLike | None = None,
     if data_root is None and retrieval_file is None:
         raise EvalError(f"retrieval set {key!r} needs --data-root. Expected layout:\n    "
                         + RETRIEVAL_LAYOUTS[key].format(root="<data-root>").replace("\n", "\n    "))
-    root = Path(data_root) if data_root is not None else Path(retrieval_file).parent
+    root = Path(data_root) if data_root is not None else Path(str(retrieval_file)).parent
     ann = Path(retrieval_file) if retrieval_file else None
     if ann is None:  # the set's folder itself, or a data root holding it as a sub-folder
         for base in [root] + [root / sub for sub in SET_FOLDERS[key]]:
@@ -219,7 +222,7 @@ def evaluate_retrieval(model, rset: RetrievalSet, transform, device: torch.devic
                        info: DistInfo | None = None) -> dict:
     """Recall@k both ways plus ``num_images``/``num_texts``; same on every rank."""
     device = torch.device(device)
-    from .zeroshot import unwrap_model
+    from ..checkpoint_files import unwrap_model
     info = info or current()
     model = unwrap_model(model)
     was_training = model.training

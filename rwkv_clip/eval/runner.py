@@ -5,30 +5,34 @@ the JSON results, the summary table and the original's score line. The CLIs
 (:mod:`rwkv_clip.eval.cli`) only parse arguments and call :func:`run`."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from ..config import ConfigError, available_configs, model_args_from_dict, read_config_json
+from ..config import TOWER_KEYS
 from ..distributed import DistInfo, cleanup_distributed, init_distributed
+from ..errors import EvalError
+from ..factory import build_model, choose_model_args
 from ..precision import get_precision
-from ..pretrained import apply_overrides, infer_config, resolve_pretrained
-from .cli import ARCH_FLAGS
-from .datasets import PAPER_DATASETS, EvalError, build_classification_set, canonical_name
+from ..pretrained import HF_HUB_PREFIX, is_weights_name, load_weights
+from .datasets import PAPER_DATASETS, build_classification_set, canonical_name
 from .results import append_score_line, result_record, summary, write_result
 from .retrieval import RETRIEVAL_ALIASES, build_retrieval_set, evaluate_retrieval
 from .transforms import eval_transform, protocol
 from .zeroshot import evaluate_classification
 
-DEFAULT_CONFIG = "RWKV_CLIP_small"
+# The architecture flags of the original's evaluation scripts: the tower flags but the
+# image tower's stochastic depth (a training setting), and the text dropout.
+ARCH_FLAGS = (*(key for key in TOWER_KEYS if key != "drop_path_rate"), "dropout")
 DEFAULT_SCORE_FILE = "zero_shot_scores.txt"
 DEFAULT_OUTPUT_DIR = "eval_results"  # the folder's name; where it goes: default_output_dir
 
 
 def log(info: DistInfo, msg: str) -> None:
-    if info.is_main:
+    if info.is_master:
         print(msg, flush=True)
 
 
@@ -48,7 +52,7 @@ def _arch_overrides(opts) -> dict:
     return {k: getattr(opts, k) for k in ARCH_FLAGS if getattr(opts, k, None) is not None}
 
 
-def build_model(opts, device: torch.device, info: DistInfo) -> tuple[Any, Any, str, str]:
+def build_eval_model(opts, device: torch.device, info: DistInfo) -> tuple[Any, Any, str, str]:
     """(model, model args, model name, pretrained label) from the options.
 
     The config is ``--config``, else the one the published weights name, else the shipped
@@ -57,37 +61,11 @@ def build_model(opts, device: torch.device, info: DistInfo) -> tuple[Any, Any, s
     every architecture flag but ``--input-size`` (its default 224), so with their B/32
     checkpoint they resolve to exactly RWKV_CLIP_B32.
     """
-    from ..model import check_state_dict, create_RWKV_Model, read_state_dict
-
-    spec = opts.model_weight or opts.pretrained or None
-    weights = resolve_pretrained(spec) if spec else None
-    state_dict = read_state_dict(weights.path) if weights else None
-    overrides = _arch_overrides(opts)
-    if opts.config:
-        params, path = read_config_json(opts.config)
-        name = Path(path).stem
-    elif weights is not None and weights.config is not None:
-        name = weights.config
-        params = read_config_json(name)[0]
-    elif state_dict is not None:
-        name = infer_config(state_dict, overrides)
-        if name is None:
-            flags = " with the given architecture flags" if overrides else ""
-            raise ConfigError(f"checkpoint {weights.label} matches none of the shipped configs "
-                              f"{available_configs()}{flags}: pass --config path/to/config.json")
-        log(info, f"config: {name} (inferred from the checkpoint's parameter shapes)")
-        params = read_config_json(name)[0]
-    else:
-        name = DEFAULT_CONFIG
-        params = read_config_json(name)[0]
-    args = model_args_from_dict(apply_overrides(params, overrides),
-                                source=f"model config {name}"
-                                       + (" with the architecture flags" if overrides else ""))
-    torch.manual_seed(opts.seed)
-    model = create_RWKV_Model(args)
-    if state_dict is not None:
-        check_state_dict(model, state_dict, weights.label)
-        model.load_state_dict(state_dict, strict=True)
+    weights_spec = opts.model_weight or opts.pretrained or None
+    weights = load_weights(weights_spec) if weights_spec else None
+    args, name = choose_model_args(opts.config, weights, _arch_overrides(opts),
+                                   log=lambda msg: log(info, msg))
+    model = build_model(args, weights, seed=opts.seed)
     if opts.wkv_backend and opts.wkv_backend != "auto":
         model.set_wkv_backend(opts.wkv_backend)
     model = model.to(device).eval()
@@ -125,7 +103,7 @@ def dataset_plan(opts) -> list[tuple[str, str]]:
 
 def builtin_folder() -> str:
     try:
-        from ..data import ensure_builtin_dataset  # type: ignore[attr-defined]
+        from ..data import ensure_builtin_dataset
     except ImportError:
         try:
             from ..data.builtin import ensure_builtin_dataset
@@ -137,15 +115,28 @@ def builtin_folder() -> str:
 
 def default_output_dir(opts) -> Path:
     """Beside the evaluated checkpoint's run: ``runs/X/checkpoints/Y.pt`` ->
-    ``runs/X/eval_results``, other weights -> ``<their folder>/eval_results``; a fresh
-    model -> ``runs/zero_shot/eval_results``. Never the current folder itself."""
+    ``runs/X/eval_results``, other weights -> ``<their folder>/eval_results``; published
+    weights by name (``NAME:TAG``, ``hf-hub:OWNER/REPO``) -> ``runs/pretrained/<name as
+    one folder>/eval_results``; a fresh model -> ``runs/zero_shot/eval_results``. Never
+    the current folder itself."""
     weight = opts.model_weight or opts.pretrained
     if not weight:
         return Path("runs") / "zero_shot" / DEFAULT_OUTPUT_DIR
+    if not opts.model_weight and is_weights_name(weight):
+        return Path("runs") / "pretrained" / name_as_folder(weight) / DEFAULT_OUTPUT_DIR
     folder = Path(weight).resolve().parent
     if folder.name == "checkpoints":
         folder = folder.parent
     return folder / DEFAULT_OUTPUT_DIR
+
+
+def name_as_folder(name: str) -> str:
+    """A weights name as one folder name: ``hf-hub:Owner/Repo@rev`` -> ``Owner_Repo_rev``,
+    ``RWKV-CLIP-B32:yfcc15m`` -> ``RWKV-CLIP-B32_yfcc15m``."""
+    text = str(name).strip()
+    if text.startswith(HF_HUB_PREFIX):
+        text = text[len(HF_HUB_PREFIX):]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "weights"
 
 
 def output_paths(opts) -> tuple[Path, Path]:
@@ -179,7 +170,7 @@ def _run(opts, info: DistInfo) -> list[dict]:
     get_precision(compute, device)  # validates the name
     plan = dataset_plan(opts)
     json_dir, score_file = output_paths(opts)
-    model, args, model_name, pretrained = build_model(opts, device, info)
+    model, args, model_name, pretrained = build_eval_model(opts, device, info)
     size = args.input_size
     note = ""
     if compute == "fp32" and getattr(opts, "precision", "fp32") != "fp32":
@@ -214,10 +205,10 @@ def _run(opts, info: DistInfo) -> list[dict]:
             name = rset.name
         record = result_record(name, model_name, pretrained, task, metrics)
         records.append(record)
-        if info.is_main:
+        if info.is_master:
             path = write_result(record, json_dir)
             print(f"wrote {path}", flush=True)
-    if info.is_main and records:
+    if info.is_master and records:
         print("\n" + summary(records), flush=True)
         line = append_score_line(score_file, records)
         print(f"\nscores ({', '.join(r['dataset'] for r in records)}): {line}\n"

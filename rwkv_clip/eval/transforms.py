@@ -56,7 +56,7 @@ class ImageNetEvalTransform:
     def __call__(self, image: Image.Image) -> torch.Tensor:
         image = image.convert("RGB")
         new_w, new_h = self.resized_size(*image.size)
-        image = image.resize((new_w, new_h), Image.BILINEAR)  # PIL: antialiased triangle
+        image = image.resize((new_w, new_h), Image.Resampling.BILINEAR)  # PIL: antialiased triangle
         s = self.input_size
         # DALI's crop_mirror_normalize centres with crop_pos 0.5 and rounds half up.
         left, top = (new_w - s + 1) // 2, (new_h - s + 1) // 2

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint_files import unwrap_model
 from .common import encode_images_gathered, encode_texts
 from .datasets import ClassificationSet, fill_template, image_folder_set
 from .distributed import DistInfo, current
@@ -25,15 +27,16 @@ LOGIT_SCALE = 100.0
 @torch.no_grad()
 def build_classifier(model, classnames: Sequence[str], templates: Sequence[str],
                      device: torch.device | str, batch_size: int = 256,
-                     precision: str = "fp32") -> torch.Tensor:
-    """(C, num_classes) float32 zero-shot weights, one unit column per class."""
+                     precision: str = "fp32", tokenizer=None) -> torch.Tensor:
+    """(C, num_classes) float32 zero-shot weights, one unit column per class (``tokenizer``:
+    texts -> token ids, default CLIP's BPE at the model's context length)."""
     device = torch.device(device)
     if not classnames:
         raise ValueError("no class names")
     if not templates:
         raise ValueError("no templates")
     texts = [fill_template(t, c) for c in classnames for t in templates]
-    feats = encode_texts(model, texts, device, batch_size, precision)  # rows normalised
+    feats = encode_texts(model, texts, device, batch_size, precision, tokenizer)  # unit rows
     per_class = feats.view(len(classnames), len(templates), -1).mean(dim=1)
     weights = F.normalize(per_class, dim=-1)
     return weights.t().contiguous().to(device)
@@ -72,24 +75,15 @@ def evaluate_classification(model, eval_set: ClassificationSet, device: torch.de
                                                  batch_size, workers, precision, info)
     finally:
         model.train(was_training)
-    metrics = classification_metrics(logits, targets, eval_set.num_classes)
+    metrics: dict[str, Any] = dict(classification_metrics(logits, targets, eval_set.num_classes))
     name = headline_metric_name(eval_set.name)
     metrics.update(headline_metric=name, headline=metrics[name], num_samples=int(targets.numel()))
     return metrics
 
 
-def unwrap_model(model):
-    """The CLIP module inside DDP (``.module``) and torch.compile (``._orig_mod``) wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None or inner is model:
-            return model
-        model = inner
-
-
 def model_input_size(model) -> int:
     """The image size the model was built for (patch grid x patch size)."""
-    tower = unwrap_model(model).image_model
+    tower: Any = unwrap_model(model).image_model
     return int(tower.patch_resolution[0] * tower.patch_embed.projection.kernel_size[0])
 
 

@@ -5,10 +5,9 @@ five (or two) mixes at once with a stacked weight that broadcasts x and shifted 
 stack. autograd's lerp backward forms ``grad * (1 - weight)``, ``grad * weight`` and
 ``grad * (end - start)`` at the stack's full size and reduces each; here the start
 gradient is ``sum(grad) - sum(grad * weight)`` reduced first: no ``1 - weight`` tensor and
-one full-size product fewer (measured 1.3-1.7x on the stacked lerp's forward + backward,
-B/32 shapes, fp32). In bf16/fp16 that difference would cancel, so the start gradient keeps
-torch's ``grad * (1 - weight)``. The forward is ``torch.lerp`` itself and the saved tensors
-are the same three.
+one full-size product fewer. In bf16/fp16 that difference would cancel, so the start
+gradient keeps torch's ``grad * (1 - weight)``. The forward is ``torch.lerp`` itself and
+the saved tensors are the same three.
 """
 from __future__ import annotations
 

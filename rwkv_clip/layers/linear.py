@@ -2,21 +2,16 @@
 
 Outside CPU low-precision autocast these are exactly ``nn.Linear``, ``a @ b`` and
 ``F.conv2d``. Under bf16/fp16 autocast on a CPU without native bf16/fp16 GEMMs (no
-AVX512-BF16 or AMX: e.g. any AVX2 machine), torch runs those products in a slow emulation,
-20-35x slower than fp32 (measured on an AVX2 EPYC: a (784, 640) x (640, 640) product takes
-10 ms in fp32 and 380 ms in bf16; the patch-embedding convolution 50 ms and 1 s). There,
-the operands are rounded to the autocast dtype exactly as autocast would round them, the
-product is computed by the fp32 GEMM on the rounded values, and the result is rounded back
-to the autocast dtype. That is the arithmetic of a bf16 GEMM with fp32 accumulation (the
-products of two bf16 or fp16 numbers are exact in fp32), so only the order of the fp32
-sums can differ. Autograd saves the same low-precision tensors as autocast's own products
-(the memory planner's accounting holds), and the gradients are rounded where autocast's
-are: the input gradient to the input's dtype, the weight gradient to the autocast dtype
-before it reaches the fp32 parameter. :func:`rwkv_clip.precision.cpu_matmul_in_fp32`
-decides, once per dtype (``RWKV_CLIP_CPU_LOWP_MATMUL=auto|native|fp32`` overrides).
+AVX512-BF16 or AMX), where torch emulates those products slowly, the operands are rounded
+to the autocast dtype as autocast would round them, multiplied by the fp32 GEMM and the
+result rounded back: the arithmetic of a bf16 GEMM with fp32 accumulation (products of two
+bf16 or fp16 numbers are exact in fp32), so only the order of the fp32 sums can differ.
+Autograd saves the same low-precision tensors as autocast's own products, and gradients
+are rounded where autocast's are. :func:`rwkv_clip.cpu_gemm.cpu_matmul_in_fp32` decides,
+once per dtype (``RWKV_CLIP_CPU_LOWP_MATMUL=auto|native|fp32`` overrides).
 
 In fp32 on the CPU, ``Linear``'s forward may run oneDNN's matmul instead of torch's
-default sgemm (MKL), where that is faster (:func:`rwkv_clip.precision.cpu_linear_uses_onednn`;
+default sgemm (MKL) for wide products (:func:`rwkv_clip.cpu_gemm.cpu_linear_uses_onednn`;
 ``RWKV_CLIP_CPU_LINEAR=auto|onednn|mkl``); the backward products are autograd's own.
 """
 from __future__ import annotations
@@ -27,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..precision import cpu_linear_uses_onednn, cpu_matmul_in_fp32
+from ..cpu_gemm import cpu_linear_uses_onednn, cpu_matmul_in_fp32
 
 
 def _upcast_dtype(t: torch.Tensor) -> torch.dtype | None:
@@ -85,8 +80,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _UpcastMatmul.apply(a.to(dtype), b.to(dtype), None)
 
 
-# oneDNN pays off for wide products only: on the small config's 128-wide ones its per-call
-# cost made it 1.1-2x slower than MKL; at 640 and more it was 5-14% faster.
+# oneDNN pays off for wide products only: its per-call cost outweighs its speed on narrow
+# ones (see docs/performance.md).
 ONEDNN_MIN_FEATURES = 512
 
 

@@ -51,9 +51,8 @@ def _sequence_shift(seq: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
 
 
 # Both shifts are operators (torch.library): to torch.compile each is one opaque call to
-# the copies above. Traced as indexing, inductor turned every shift and the lerps it feeds
-# into per-element gathers (B/32 inference, 2 threads: 0.73 s in those fused kernels
-# against 0.10 s for eager's shift + lerp), which made compiled slower than eager.
+# the copies above. Traced as indexing, inductor turns every shift and the lerps it feeds
+# into per-element gathers, slower than eager's shift + lerp.
 @torch.library.custom_op("rwkv_clip::q_shift", mutates_args=())
 def _q_shift_op(grid: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
     return _q_shift_grid(grid, s, adjoint)

@@ -21,13 +21,13 @@ TIME_DECAY_EXTRA_DIM = 64  # rank of the LoRA that makes the decay data-dependen
 
 def fancy_time_mix_init(n_embd: int, layer_id: int, n_layer: int) -> dict[str, torch.Tensor]:
     """The original's layer-dependent lerp weights (time_maa_x/w/k/v/r/g)."""
-    ratio_0_to_1 = _depth_ratio(layer_id, n_layer)
-    ratio_1_to_almost0 = 1.0 - layer_id / n_layer
-    ddd = (torch.arange(n_embd, dtype=torch.float32) / n_embd).view(1, 1, n_embd)
-    pow_a = torch.pow(ddd, ratio_1_to_almost0)
-    pow_half = torch.pow(ddd, 0.5 * ratio_1_to_almost0)
+    depth_fraction = _depth_ratio(layer_id, n_layer)
+    remaining_depth = 1.0 - layer_id / n_layer
+    channel_fraction = (torch.arange(n_embd, dtype=torch.float32) / n_embd).view(1, 1, n_embd)
+    pow_a = torch.pow(channel_fraction, remaining_depth)
+    pow_half = torch.pow(channel_fraction, 0.5 * remaining_depth)
     return {"x": 1.0 - pow_a, "w": 1.0 - pow_a, "k": 1.0 - pow_a,
-            "v": 1.0 - (pow_a + 0.3 * ratio_0_to_1), "r": 1.0 - pow_half, "g": 1.0 - pow_half}
+            "v": 1.0 - (pow_a + 0.3 * depth_fraction), "r": 1.0 - pow_half, "g": 1.0 - pow_half}
 
 
 def _depth_ratio(layer_id: int, n_layer: int) -> float:
@@ -41,14 +41,14 @@ def fancy_decay_init(dim_att: int, layer_id: int, n_layer: int) -> list[float]:
     Computed in Python floats, as the original, so the rounding to the parameter's
     dtype (float32 image, bfloat16 text) gives bit-identical values.
     """
-    ratio_0_to_1 = _depth_ratio(layer_id, n_layer)
-    return [-6 + 5 * (n / (dim_att - 1)) ** (0.7 + 1.3 * ratio_0_to_1) for n in range(dim_att)]
+    depth_fraction = _depth_ratio(layer_id, n_layer)
+    return [-6 + 5 * (n / (dim_att - 1)) ** (0.7 + 1.3 * depth_fraction) for n in range(dim_att)]
 
 
 def fancy_bonus_init(dim_att: int, layer_id: int, n_layer: int) -> list[float]:
     """time_faaaa (the bonus u): a depth-scaled ramp plus a period-3 zigzag."""
-    ratio_0_to_1 = _depth_ratio(layer_id, n_layer)
-    return [ratio_0_to_1 * (1 - (n / (dim_att - 1))) + ((n + 1) % 3 - 1) * 0.1
+    depth_fraction = _depth_ratio(layer_id, n_layer)
+    return [depth_fraction * (1 - (n / (dim_att - 1))) + ((n + 1) % 3 - 1) * 0.1
             for n in range(dim_att)]
 
 
@@ -107,9 +107,9 @@ class TimeMixBase(nn.Module):
         dtype = glue_dtype(x)
         x = x.to(dtype)
         shifted = self.shift(x, **shift_kwargs)
-        xxx = lerp(x, shifted, self.time_maa_x.to(dtype))
-        xxx = torch.tanh(matmul(xxx, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
-        mix = matmul(xxx, self.time_maa_w2).view(5, B, T, C)
+        mix_input = lerp(x, shifted, self.time_maa_x.to(dtype))
+        mix_input = torch.tanh(matmul(mix_input, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
+        mix = matmul(mix_input, self.time_maa_w2).view(5, B, T, C)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
                          self.time_maa_g)).to(dtype)  # (5, 1, C): broadcasts over (B, T)
         xw, xk, xv, xr, xg = lerp(x, shifted, mix + maa.unsqueeze(1)).unbind(0)

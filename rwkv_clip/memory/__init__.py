@@ -16,6 +16,7 @@ Four parts:
 The estimate is analytic, nothing is fitted to a measurement; ``--measure`` prints the
 measured peak beside it.
 """
+from ..errors import MeasurementError
 from .estimate import (
     CARDS,
     Estimate,
@@ -26,10 +27,9 @@ from .estimate import (
     training_peak,
 )
 from .measure import (
-    MeasurementError,
     MeasureSpec,
     PeakRSS,
-    build_model,
+    build_measured_model,
     make_step,
     measure,
     rss_kib,
@@ -39,6 +39,6 @@ from .measure import (
 from .walk import ParamTable, Plan, Segment, activation_segments, parameter_table
 
 __all__ = ["CARDS", "Estimate", "card_capacity", "estimate", "inference_peak", "max_batch",
-           "training_peak", "MeasurementError", "MeasureSpec", "PeakRSS", "build_model",
+           "training_peak", "MeasurementError", "MeasureSpec", "PeakRSS", "build_measured_model",
            "make_step", "measure", "rss_kib", "run_measurement", "synthetic_batch",
            "ParamTable", "Plan", "Segment", "activation_segments", "parameter_table"]

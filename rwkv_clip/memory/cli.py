@@ -3,6 +3,10 @@
     python -m rwkv_clip.memory --config model_config/RWKV_CLIP_B32.json --batch-size 256 \
         --precision bf16 [--checkpointing] [--gradient-acc K] [--gpus N] [--measure] [--json]
 
+The flags mean what train.py's do: ``--batch-size`` is the micro-batch per GPU (one
+forward/backward), ``--gradient-acc K`` micro-batches make one optimizer step, so a GPU
+sees batch-size x K pairs per step and the loss scores batch-size x K x gpus of them.
+
 User errors (a missing or bad config, a bad flag value) are one line ``error: ...`` and exit
 status 2 (:func:`rwkv_clip.errors.run_cli`).
 """
@@ -43,14 +47,20 @@ class _Parser(argparse.ArgumentParser):
         raise TrainArgsError(f"{message} (see {self.prog} --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_planner_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog=PROG, description="Memory planner: what a training step or inference "
-                                        "of RWKV-CLIP needs, per GPU.")
+                                        "of RWKV-CLIP needs, per GPU. The flags mean what "
+                                        "train.py's do, so a training command's values can "
+                                        "be copied here.")
     ap.add_argument("--config", default=None, help="model config JSON (default: B/32)")
-    ap.add_argument("--batch-size", type=int, default=256, help="per-GPU batch size")
+    ap.add_argument("--batch-size", type=int, default=256,
+                    help="micro-batch per GPU, one forward/backward (train.py's --batch-size)")
     ap.add_argument("--precision", default="bf16", help="fp32, tf32, bf16 or fp16")
     ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
-    ap.add_argument("--gradient-acc", type=int, default=1)
+    ap.add_argument("--gradient-acc", type=int, default=1, metavar="K",
+                    help="micro-batches per optimizer step (train.py's --gradient-acc): the "
+                         "gradients stay alive across them and the loss scores all K x "
+                         "batch-size pairs per GPU")
     ap.add_argument("--gpus", type=int, default=1, help="data-parallel world size")
     ap.add_argument("--local-loss", action="store_true", help="ClipLoss local_loss logits")
     ap.add_argument("--inference-batch", type=int, default=None,
@@ -96,10 +106,6 @@ def _check(ns: argparse.Namespace) -> None:
                         ("--gpus", ns.gpus), ("--inference-batch", ns.inference_batch)):
         if value is not None and value < 1:
             raise TrainArgsError(f"{flag} must be >= 1, got {value}")
-    if ns.batch_size % ns.gradient_acc:
-        raise TrainArgsError(f"--batch-size {ns.batch_size} is not a multiple of "
-                             f"--gradient-acc {ns.gradient_acc} (batch-size is per GPU, split "
-                             "into gradient-acc micro-batches)")
     if ns.lora_rank < 0:
         raise TrainArgsError(f"--lora-rank must be >= 0 (0: off), got {ns.lora_rank}")
     if ns.lock_image and ns.lock_text:
@@ -115,7 +121,7 @@ def _fmt(b: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = build_planner_parser().parse_args(argv)
     _check(ns)
     precision = canonical_precision(ns.precision)
     from ..config import load_model_configs, resolve_config_path
@@ -129,8 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = ns.device or "cuda"
     inf_batch = ns.inference_batch if ns.inference_batch is not None else ns.batch_size
     ft = finetune_of(ns)
-    est = estimate(args, ns.batch_size, precision, ns.checkpointing, ns.gradient_acc,
-                   ns.gpus, device, Path(config).name, inf_batch, finetune=ft)
+    # the estimate's batch is what one GPU sees per optimizer step (K micro-batches)
+    est = estimate(args, ns.batch_size * ns.gradient_acc, precision, ns.checkpointing,
+                   ns.gradient_acc, ns.gpus, device, Path(config).name, inf_batch, finetune=ft)
     by_mode = {m.label: max_batch_per_card(args, precision, ns.checkpointing, ns.gradient_acc,
                                            ns.gpus, m)
                for m in comparison_modes(ns)}
@@ -172,8 +179,9 @@ def _print_modes(by_mode: dict[str, dict[str, int]], precision: str,
 
 
 def _print_report(e: Any, device: str, m: dict | None, finetune: str = "full") -> None:
-    print(f"{e.config}: batch {e.batch_size} per GPU (micro-batch {e.micro_batch}), {e.precision}, "
-          f"checkpointing {'on' if e.checkpointing else 'off'}, {e.gpus} GPU(s), "
+    print(f"{e.config}: --batch-size {e.micro_batch} (micro-batch per GPU) x --gradient-acc "
+          f"{e.gradient_acc} x {e.gpus} GPU(s) = {e.batch_size * e.gpus} pairs per optimizer "
+          f"step, {e.precision}, checkpointing {'on' if e.checkpointing else 'off'}, "
           f"autocast rules of {device}, {finetune} fine-tune")
     print(f"  parameters        {e.parameters:,}")
     print("training (steady state):")
@@ -187,9 +195,10 @@ def _print_report(e: Any, device: str, m: dict | None, finetune: str = "full") -
     print(f"  {'parameters':<18}{_fmt(e.parameter_bytes)}")
     print(f"  {'activations':<18}{_fmt(e.inference_activation_bytes)}")
     print(f"  {'total (peak)':<18}{_fmt(e.inference_peak_bytes)}")
-    print("largest per-GPU training batch that fits (same precision/checkpointing/acc):")
+    print("largest --batch-size that fits (micro-batch per GPU; same precision, "
+          "checkpointing, --gradient-acc and --gpus):")
     for card, b in e.max_batch.items():
-        print(f"  {card:<12}{b:>8}")
+        print(f"  {card:<12}{b // max(1, e.gradient_acc):>8}")
     print(f"  (card memory x {CARD_USABLE_FRACTION} - {CARD_RESERVE_GIB} GiB for the CUDA "
           "context and fragmentation)")
     if m is not None:

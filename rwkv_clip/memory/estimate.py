@@ -11,9 +11,8 @@ batch (the training loop's exact accumulation caches every micro-batch's feature
 is in fp32; ``gpus`` N makes the ClipLoss logits (N*B) x (N*B) (no ``local_loss``) and adds
 DDP's gradient buckets (one more copy of the gradients). Steady state is assumed (AdamW
 moments already exist, gradients set to None between steps). The optimizer is the trainer's
-AdamW: two moments per parameter in the parameter's dtype, plus its temporaries (foreach on
-CUDA: one parameter-sized sqrt buffer; per-tensor on CPU: two buffers of the largest
-parameter).
+fused AdamW: two moments per parameter in the parameter's dtype, updated in place (no
+parameter-sized temporaries on CPU or CUDA, nor in the foreach gradient clipping).
 """
 from __future__ import annotations
 
@@ -120,8 +119,8 @@ def training_peak(args: Any, batch: int, precision: str, checkpointing: bool = F
             phase = f"backward of {s.name}" + (" (recomputed)" if s.ckpt_input else "")
             best = max(best, (total, phase, acts, s.workspace))
             produced += s.grad_bytes
-    # optimizer step: all gradients + AdamW temporaries
-    opt_tmp = grad_b if device == "cuda" else 2 * table.largest_trainable_bytes()
+    # optimizer step: all gradients (fused AdamW and the clipping work in place)
+    opt_tmp = 0
     opt_total = persistent + grad_b + opt_tmp
     best = max(best, (opt_total, "optimizer step", 0, opt_tmp))
     total, phase, acts, ws = best

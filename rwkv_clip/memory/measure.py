@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..errors import RWKVCLIPError
+from ..errors import MeasurementError
 from ..precision import get_precision
 from .walk import _cfg
 
@@ -42,17 +42,12 @@ WORKER_CODE = ("import sys; from rwkv_clip.memory.measure import worker_main; "
                "sys.exit(worker_main(sys.argv[1:]))")
 
 
-class MeasurementError(RWKVCLIPError, RuntimeError):
-    """A measuring run failed (out of memory, bad backend, ...); the message ends with the
-    worker's last lines of stderr."""
-
-
 # ----------------------------------------------------------------------------- the step
 def trainer_defaults() -> Namespace:
     """The trainer's settings with no flags given (optimizer, betas, weight decay,
     clipping, loss options): ``train.py``'s own argparse defaults."""
-    from ..train.args import build_parser
-    return build_parser().parse_args([])
+    from ..train.args import build_train_parser
+    return build_train_parser().parse_args([])
 
 
 def make_step(model: torch.nn.Module, precision: str, device_type: str,
@@ -80,8 +75,8 @@ def make_step(model: torch.nn.Module, precision: str, device_type: str,
                             scaler=scaler, autocast=prec.autocast_factory,
                             mode=settings.accum_mode, clip_grad_norm=settings.grad_clip_norm)
         return torch.tensor(result.loss)
-    step.optimizer = optimizer
-    step.scaler = scaler
+    step.optimizer = optimizer  # type: ignore[attr-defined]
+    step.scaler = scaler  # type: ignore[attr-defined]
     return step
 
 
@@ -96,17 +91,15 @@ def synthetic_batch(args: Any, batch: int, device: torch.device | str,
     return images, tokens
 
 
-def build_model(config: str | Any, device: torch.device | str, checkpointing: bool,
-                wkv_backend: str | None) -> tuple[Any, torch.nn.Module]:
+def build_measured_model(config: str | Any, device: torch.device | str, checkpointing: bool,
+                         wkv_backend: str | None) -> tuple[Any, torch.nn.Module]:
     """(args, model) for a config (path, shipped name or loaded args), seeded, on
     ``device``."""
     from ..config import load_model_configs
-    from ..model import create_RWKV_Model
+    from ..factory import build_model
     args = load_model_configs(config) if isinstance(config, str | Path) else config
-    torch.manual_seed(0)
-    model = create_RWKV_Model(args).to(device)
+    model = build_model(args, seed=0, wkv_backend=wkv_backend, device=device)
     model.set_grad_checkpointing(checkpointing)
-    model.set_wkv_backend(wkv_backend)
     return args, model
 
 
@@ -114,7 +107,10 @@ def build_model(config: str | Any, device: torch.device | str, checkpointing: bo
 def rss_kib(field_name: str = "VmRSS") -> int:
     """A field of /proc/self/status in KiB (VmRSS: resident now; VmHWM: peak)."""
     text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field_name}:\s+(\d+)", text).group(1))
+    match = re.search(rf"{field_name}:\s+(\d+)", text)
+    if match is None:
+        raise MeasurementError(f"/proc/self/status has no {field_name} field")
+    return int(match.group(1))
 
 
 def _reset_hwm() -> bool:
@@ -143,14 +139,13 @@ class PeakRSS:
             self.peak = max(self.peak, rss_kib())
             time.sleep(0.001)
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self.by_hwm:
             self.peak = rss_kib("VmHWM")
         else:
             self._t.join()
             self.peak = max(self.peak, rss_kib())
-        return False
 
 
 def _warm_up_cpu(wkv_backend: str | None, finetune: dict | None = None) -> None:
@@ -160,7 +155,7 @@ def _warm_up_cpu(wkv_backend: str | None, finetune: dict | None = None) -> None:
     tiny = config_dir() / "RWKV_CLIP_tiny.json"
     if not tiny.is_file():
         return
-    args, model = build_model(str(tiny), "cpu", False, wkv_backend)
+    args, model = build_measured_model(str(tiny), "cpu", False, wkv_backend)
     apply_finetune(model, finetune)
     step = make_step(model, "fp32", "cpu")
     images, tokens = synthetic_batch(args, 2, "cpu")
@@ -226,7 +221,7 @@ def run_measurement(spec: MeasureSpec) -> dict:
     else:
         torch.cuda.init()
         base = torch.cuda.memory_allocated(dev)
-    args, model = build_model(args, dev, spec.checkpointing, spec.wkv_backend)
+    args, model = build_measured_model(args, dev, spec.checkpointing, spec.wkv_backend)
     apply_finetune(model, spec.finetune)
     images, tokens = synthetic_batch(args, spec.batch, dev)
     t0 = time.perf_counter()
@@ -234,7 +229,6 @@ def run_measurement(spec: MeasureSpec) -> dict:
         model.train()
         step = make_step(model, spec.precision, dev.type)
         step(images, tokens)                       # warm: AdamW moments now exist
-        step.optimizer.zero_grad(set_to_none=True)
         run = lambda: step(images, tokens)
     else:
         model.eval()

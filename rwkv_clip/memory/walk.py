@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..config import model_args_from_dict
+from ..config import ModelArgs
 from ..errors import ConfigError
 from ..layers.time_mix import TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM
 
@@ -89,11 +89,11 @@ def parameter_table(args: Any, finetune: Any = None) -> ParamTable:
     """The parameters of ``create_RWKV_Model(args)``, read from the model built on the meta
     device (shapes and dtypes only: nothing is allocated, the WKV op is not called); with
     ``finetune`` (:class:`.finetune.FineTune`) its frozen names, adapters and dtypes."""
-    from ..model import create_RWKV_Model
+    from ..factory import build_model
     if isinstance(args, dict):
-        args = model_args_from_dict(args, source="memory planner config")
+        args = ModelArgs.from_dict(args, source="memory planner config")
     with torch.device("meta"):
-        model = create_RWKV_Model(args)
+        model = build_model(args)
     if finetune is not None:
         from .finetune import finetune_table
         return finetune_table(model, finetune)
@@ -308,8 +308,8 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     P = lambda numel, dt="fp32", matrix=False: w.param(numel, dt, matrix)
     x = w.glue(a)                                        # the glue's dtype (autocast's)
     sh = w.new(n, x.dtype, x.rg)                         # token shift: one copy
-    xxx = w.lerp(x, sh, w.glue(P(C)))                    # lerp(x, shift(x), time_maa_x)
-    m1 = w.matmul(xxx, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
+    mix_input = w.lerp(x, sh, w.glue(P(C)))              # lerp(x, shift(x), time_maa_x)
+    m1 = w.matmul(mix_input, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
     t1 = w.unary_saves_result(m1)                        # tanh
     mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm: (5,B,T,C)
     maa = w.glue(P(5 * C))                               # cat of time_maa_w/k/v/r/g

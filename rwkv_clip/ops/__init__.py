@@ -16,10 +16,14 @@ compiled at import.
 """
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+
 import torch
 
 from ..errors import WKVError
-from . import build, kernels
+from . import build, cache, kernels
 from .reference import wkv6_bidirectional_reference
 
 BACKEND_ENV_VAR = "RWKV_CLIP_WKV_BACKEND"
@@ -45,6 +49,50 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     if choice == "cpu" and device.type != "cpu":
         raise WKVError(f"WKV backend 'cpu' needs CPU tensors, got tensors on {device}")
     return choice
+
+
+def _nothing_to_wait_for(raise_error: bool = True) -> None:
+    return None
+
+
+def prepare_wkv_kernel(device: torch.device, notify: Callable[[str], None],
+                       background: bool = False) -> Callable[..., None]:
+    """Build (or load) the CPU WKV kernel before the first step, saying so through
+    ``notify`` when it is not in the kernel cache yet (the first use compiles it). Other
+    devices and the pure-PyTorch backend need nothing here.
+
+    Returns ``wait(raise_error=True)``: it waits for the kernel and raises the build's
+    error, if any (``raise_error=False`` on the way out of another error, which is the
+    one to report). ``background=True`` compiles in a thread (the compiler is a
+    subprocess, so the GIL is free) while the caller builds the model and the data."""
+    if torch.device(device).type != "cpu":
+        return _nothing_to_wait_for
+    if (build.env_override(BACKEND_ENV_VAR) or "").strip().lower() == "reference":
+        return _nothing_to_wait_for
+    if build.cpu_kernel_cached():
+        return _nothing_to_wait_for
+    notify(f"preparing the WKV CPU kernel (first use compiles it; cached in "
+           f"{cache.cache_root()})")
+    t0 = time.time()
+    failure: list[BaseException] = []
+
+    def compile_kernel() -> None:
+        try:
+            build.get_cpu_kernel()
+            notify(f"WKV CPU kernel ready ({time.time() - t0:.0f} s)")
+        except BaseException as exc:  # handed to the waiter, raised in the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=compile_kernel, name="wkv-kernel-build", daemon=True)
+    thread.start()
+
+    def wait(raise_error: bool = True) -> None:
+        thread.join()  # never leave a half-written build behind on exit
+        if failure and raise_error:
+            raise failure[0]
+    if not background:
+        wait()
+    return wait
 
 
 def check_inputs(r, k, v, w, u) -> tuple[int, int, int, int, int]:
@@ -85,4 +133,4 @@ def wkv6_bidirectional(r, k, v, w, u, backend: str | None = None) -> torch.Tenso
 
 
 __all__ = ["BACKENDS", "BACKEND_ENV_VAR", "WKVError", "check_inputs", "reset_backend_override",
-           "resolve_backend", "wkv6_bidirectional", "wkv6_bidirectional_reference"]
+           "prepare_wkv_kernel", "resolve_backend", "wkv6_bidirectional", "wkv6_bidirectional_reference"]

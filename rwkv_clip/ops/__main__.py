@@ -22,24 +22,38 @@ PUBLISHED = (
 )
 
 
+def _built_file(kernel) -> str:
+    """The file a loaded kernel came from: an operator library's ``path`` or a module's."""
+    return str(getattr(kernel, "path", None) or kernel.__file__)
+
+
 def _build(args: argparse.Namespace) -> None:
     """Build every requested kernel; the first failure propagates (one error line)."""
-    from . import build
+    import torch
 
-    print(f"kernel cache: {build.cache_root()}")
-    print(f"kernel sources: {build.source_dir()}")
+    from . import build, cache, toolchain
+
+    print(f"kernel cache: {cache.cache_root()}")
+    print(f"kernel sources: {toolchain.source_dir()}")
     if not args.no_cpu:
         t0 = time.time()
         mod = build.get_cpu_kernel(verbose=args.verbose)
         print(f"[ok] cpu kernel {build.cpu_kernel_name()} (serves N=64 and N=80, any T) "
-              f"-> {mod.__file__} ({time.time() - t0:.0f}s)")
+              f"-> {_built_file(mod)} ({time.time() - t0:.0f}s)")
     if args.no_cuda:
+        print("[skipped] CUDA kernels: --no-cuda")
         return
-    home = build.find_cuda_home()
+    if torch.version.cuda is None:
+        print(f"[skipped] CUDA kernels: this torch ({torch.__version__}) is a CPU-only build")
+        return
+    home = toolchain.find_cuda_home()
     if home is None:
         print("[skipped] CUDA kernels: no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
         return
-    print(f"CUDA archs: {build.cuda_arch_list()} (set TORCH_CUDA_ARCH_LIST to change)")
+    print(f"CUDA archs: {toolchain.cuda_arch_list()} (set TORCH_CUDA_ARCH_LIST to change)")
+    if not torch.cuda.is_available():
+        print("no GPU visible: the CUDA kernels are compiled and loaded here, and run where a "
+              "GPU is (same cache folder)")
     variants = build.CUDA_VARIANTS if args.variant == "all" else (args.variant,)
     done = set()
     for variant in variants:
@@ -51,7 +65,7 @@ def _build(args: argparse.Namespace) -> None:
             t0 = time.time()
             mod = build.get_cuda_kernel(N, T, variant, verbose=args.verbose)
             done.add(key)
-            print(f"[ok] cuda {variant} N={N} T_max={key[2]} ({what}) -> {mod.__file__} "
+            print(f"[ok] cuda {variant} N={N} T_max={key[2]} ({what}) -> {_built_file(mod)} "
                   f"({time.time() - t0:.0f}s, toolkit {home})")
 
 

@@ -9,7 +9,8 @@
 
 Importing this package starts nothing (no process group, no data, no kernels).
 """
-from .args import build_parser, parse_args, resolve_args
-from .loop import TrainingError, cli, main
+from ..errors import TrainingError
+from .args import build_train_parser, parse_args, resolve_args
+from .loop import cli, main
 
-__all__ = ["main", "cli", "parse_args", "build_parser", "resolve_args", "TrainingError"]
+__all__ = ["main", "cli", "parse_args", "build_train_parser", "resolve_args", "TrainingError"]

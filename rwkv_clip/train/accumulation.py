@@ -14,10 +14,8 @@ Modes:
 * ``mean``: loss of each micro-batch on its own, divided by K, backward each (cheaper:
   one forward per micro-batch, but only m negatives per sample).
 
-:class:`MicroBatchLosses` gives the loss of each micro-batch to backpropagate; the
-training loop (``loop.train``) runs the K backward passes with DDP's gradient sync on the
-last one only, then clips and steps once. :func:`train_step` is the same step in one
-process (tests, memory planner).
+:func:`train_step` is the one optimizer step the trainer, the memory planner and the
+tests run.
 """
 from __future__ import annotations
 
@@ -25,21 +23,21 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import RWKVCLIPError
+from ..checkpoint_files import unwrap_model
+from ..distributed import DistInfo, any_rank_true
+from ..errors import NonFiniteLossError
 from ..tokenizer import fit_context_length
+from .rng import capture_rng, restore_rng
 
 CAPTION_LEN = 77
 NUM_CAPTIONS = 3
-
-
-class NonFiniteLossError(RWKVCLIPError, FloatingPointError):
-    """The loss became NaN or Inf; raised before the optimizer step."""
 
 
 # ----------------------------------------------------------------------------- captions
@@ -89,20 +87,6 @@ def make_micro_batches(images: Sequence[torch.Tensor], tokens: Sequence[torch.Te
             for im, tx in zip(images, texts, strict=True)]
 
 
-# ----------------------------------------------------------------------------- RNG states
-
-def get_rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def set_rng_state(state, device: torch.device) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-
-
 # ----------------------------------------------------------------------------- the step
 
 def _features(model: nn.Module, mb: MicroBatch, autocast: Callable):
@@ -112,10 +96,6 @@ def _features(model: nn.Module, mb: MicroBatch, autocast: Callable):
         text_features = F.normalize(text_features, dim=-1)
     # the contrastive loss is computed in float32 whatever the autocast dtype
     return image_features.float(), text_features.float(), logit_scale.float()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") else model
 
 
 class MicroBatchLosses:
@@ -141,14 +121,14 @@ class MicroBatchLosses:
         self.losses: list[torch.Tensor] = []
         self.logit_scale: float = float("nan")
         if self.exact:
-            self._cache(unwrap(model))
+            self._cache(unwrap_model(model))
 
     def _cache(self, inner: nn.Module) -> None:
         device = self.micro_batches[0].images.device
         self.image, self.text, self.rng = [], [], []
         with torch.no_grad():
             for mb in self.micro_batches:
-                self.rng.append(get_rng_state(device))
+                self.rng.append(capture_rng(device, host=False))
                 image_f, text_f, _ = _features(inner, mb, self.autocast)
                 self.image.append(image_f)
                 self.text.append(text_f)
@@ -156,7 +136,7 @@ class MicroBatchLosses:
     def loss(self, model: nn.Module, j: int) -> torch.Tensor:
         mb = self.micro_batches[j]
         if self.exact:
-            set_rng_state(self.rng[j], mb.images.device)  # the cached pass's dropout masks
+            restore_rng(self.rng[j], mb.images.device)  # the cached pass's dropout masks
         image_f, text_f, logit_scale = _features(model, mb, self.autocast)
         self.logit_scale = float(logit_scale.detach())
         if not self.exact:
@@ -193,28 +173,40 @@ class StepResult:
 def clamp_logit_scale(model: nn.Module) -> None:
     """CLIP's temperature bound: exp(logit_scale) stays within [1, 100]."""
     with torch.no_grad():
-        unwrap(model).logit_scale.clamp_(0, math.log(100))
+        cast(torch.Tensor, unwrap_model(model).logit_scale).clamp_(0, math.log(100))
 
 
 def train_step(model: nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: nn.Module,
                optimizer: torch.optim.Optimizer, *, scaler=None,
                autocast: Callable = contextlib.nullcontext, mode: str = "exact",
-               clip_grad_norm: float | None = 1.0) -> StepResult:
-    """One optimizer step in one process, in the order the training loop runs it
-    (``loop.train``, which adds DDP's gradient sync and the cross-rank finite check):
-    K backward passes, unscale, clip, optimizer (scaler) step, logit-scale clamp.
-    For the memory planner and the tests; raises :class:`NonFiniteLossError` before the
-    parameters change."""
-    optimizer.zero_grad(set_to_none=True)
+               clip_grad_norm: float | None = 1.0, wrapped: Callable | None = None,
+               info: DistInfo | None = None) -> StepResult:
+    """One optimizer step over K micro-batches: K forward and backward passes, the
+    finite-loss check, unscale, clip, optimizer (scaler) step, gradients cleared,
+    logit-scale clamp.
+
+    ``model`` is the plain model; ``wrapped`` (default ``model``) is what runs the
+    forward passes: DDP and/or torch.compile around it. DDP all-reduces the gradients on
+    the last micro-batch only. Under a process group (``info``) every rank stops when any
+    rank's loss is not finite. Raises :class:`NonFiniteLossError` before the parameters
+    change."""
+    runner: Any = model if wrapped is None else wrapped
+    ddp = hasattr(runner, "require_backward_grad_sync")
     micro = MicroBatchLosses(model, micro_batches, loss_fn, autocast, mode)
     for j in range(micro.k):
-        loss = micro.loss(model, j)
+        if ddp:
+            runner.require_backward_grad_sync = j == micro.k - 1
+        loss = micro.loss(runner, j)
         (scaler.scale(loss) if scaler is not None else loss).backward()
-    if not micro.finite:
+    finite = micro.finite
+    if any_rank_true(not finite, info) if info is not None else not finite:
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLossError(f"loss is not finite ({micro.value})")
+        raise NonFiniteLossError(f"loss is not finite ({micro.value}) on "
+                                 f"{'another rank' if finite else 'this rank'}. Parameters "
+                                 "were not updated")
     grad_norm = unscale_and_clip(model, optimizer, scaler, clip_grad_norm)
     optimizer_step(optimizer, scaler)
+    optimizer.zero_grad(set_to_none=True)
     clamp_logit_scale(model)
     return StepResult(loss=micro.value, grad_norm=grad_norm, logit_scale=micro.logit_scale,
                       samples=micro.samples)
@@ -228,7 +220,7 @@ def unscale_and_clip(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
         scaler.unscale_(optimizer)
     if max_norm is None or max_norm <= 0:
         return None
-    params = [p for p in unwrap(model).parameters() if p.requires_grad]
+    params = [p for p in unwrap_model(model).parameters() if p.requires_grad]
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 

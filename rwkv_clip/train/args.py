@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
 
-from ..config import ConfigError, ModelArgs, parse_bool, read_config_json
-from ..errors import EXIT_USER_ERROR, TrainArgsError, report
+from ..config import (
+    DEFAULT_CONFIG,
+    TOWER_KEYS,
+    ModelArgs,
+    apply_overrides,
+    read_config_json,
+    str2bool,
+)
+from ..errors import EXIT_USER_ERROR, CheckpointError, ConfigError, TrainArgsError, report
 from ..lora import add_lora_flags, check_lora_args
 from ..precision import PRECISIONS
+from ..pretrained import published_config
 
-DEFAULT_CONFIG = "RWKV_CLIP_small"
-
-# Model keys that have a tower flag of the same name (--input-size -> input_size ...).
-TOWER_KEYS = (
-    "input_size", "image_depth", "image_embed_dims", "image_patch_size", "image_hidden_rate",
-    "image_num_heads", "image_output_cls_token", "image_with_cls_token", "drop_path_rate",
-    "ctx_len", "vocab_size", "text_initialization", "head_size", "text_num_head", "pos_emb",
-    "head_size_divisor", "n_layer", "n_embd", "dim_att", "dim_ffn", "head_qk", "tiny_att_dim",
-    "tiny_att_layer",
-)
 # Config keys that are training options with their own flag (flag name -> config key).
 SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "workers",
                 "open_checkpoint": "with_cp"}
@@ -42,27 +39,30 @@ NOT_MODEL_KEYS = ("workers", "data_type")
 DATA_FORMATS = ("rec", "wds", "parquet", "builtin")
 
 
-def str2bool(value: Any) -> bool:
-    """argparse type for booleans: True/False, 1/0 (also yes/no), as the original's scripts."""
-    parsed = parse_bool(value)
-    if parsed is None:
-        raise argparse.ArgumentTypeError(f"expected a boolean (True/False/1/0), got {value!r}")
-    return parsed
-
-
 def _bool_flag(group, name: str, default, help: str) -> None:
     group.add_argument(name, type=str2bool, nargs="?", const=True, default=default,
                        metavar="BOOL", help=help)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in its help, once: not where the text already states it, and
+    not for None (a default the text explains or that means "not given")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+def build_train_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(
         prog="train.py",
         description="Train RWKV-CLIP. With no arguments: the small config on the built-in "
                     "dataset on the available device, then zero-shot accuracy on its "
                     "held-out split. Launch multi-process with torchrun "
                     "(NCCL on GPU, gloo on CPU).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
 
     g = p.add_argument_group("optimisation (original flags)")
     g.add_argument("--batch-size", type=int, default=32,
@@ -99,8 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data and output (original flags)")
     g.add_argument("--train-data", default=None,
-                   help="rec: prefix of X.rec/X.idx; wds: shard pattern/list. "
-                        "Not needed for --data-format builtin")
+                   help="rec: prefix of X.rec/X.idx (scripts/make_rec.py's output); wds: "
+                        ".tar shard pattern/list; parquet: .parquet file, glob, brace list "
+                        "or folder (img2dataset, the Hub's YFCC15M). A JSONL/CSV of pairs "
+                        "is converted first with scripts/make_rec.py. Not needed for "
+                        "--data-format builtin")
     g.add_argument("--train-num-samples", type=int, default=None,
                    help="samples per epoch; only used when the loader cannot tell its "
                         "length (the epoch length comes from the data)")
@@ -126,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", default=None, metavar="JSON",
                    help="model config (path or shipped name, e.g. model_config/"
                         "RWKV_CLIP_B32.json or RWKV_CLIP_small); tower flags override its "
-                        f"keys. Default: {DEFAULT_CONFIG}")
+                        f"keys. Default: the config of a published --pretrained name, else "
+                        f"{DEFAULT_CONFIG}")
 
     g = p.add_argument_group("image tower (original flags; default: from the config)")
     g.add_argument("--input-size", type=int, default=None, help="image side in pixels")
@@ -189,8 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", default=None, metavar="latest|PATH",
                    help="continue a run: 'latest' = OUTPUT/checkpoints/epoch_latest.pt "
                         "(fresh start if none), or a checkpoint path")
-    g.add_argument("--pretrained", default=None, metavar="PATH",
-                   help="initial weights (ours or the original's), fresh optimizer/schedule")
+    g.add_argument("--pretrained", default=None, metavar="NAME:TAG|PATH|hf-hub:...",
+                   help="initial weights (ours or the original's; a file, a published name "
+                        "such as RWKV-CLIP-B32:yfcc15m, whose config is then the default, or "
+                        "hf-hub:OWNER/REPO[/FILE]), fresh optimizer/schedule")
     _bool_flag(g, "--lock-image", False, "freeze the image tower")
     _bool_flag(g, "--lock-text", False, "freeze the text tower")
     g.add_argument("--accum-mode", choices=("exact", "mean"), default="exact",
@@ -226,19 +232,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_model_config(args: argparse.Namespace) -> tuple[ModelArgs, str]:
-    """The model settings of parsed flags: the chosen config (``--config``, default
-    ``RWKV_CLIP_small``) with every tower and shared flag given overriding its key; and
-    where they came from (the config's path and the overriding flags, for the log)."""
-    params, path = read_config_json(args.config if args.config is not None else DEFAULT_CONFIG)
+    """The model settings of parsed flags: the chosen config (``--config``, else the one
+    a published ``--pretrained`` name was trained with, else ``RWKV_CLIP_small``) with
+    every tower and shared flag given overriding its key; and where they came from (the
+    config's path and the overriding flags, for the log)."""
+    config, named_by = args.config, None
+    if config is None and getattr(args, "pretrained", None):
+        config = published_config(args.pretrained)
+        named_by = f"the config of --pretrained {args.pretrained}" if config else None
+    params, path = read_config_json(config if config is not None else DEFAULT_CONFIG)
     flags = [f for f in (*TOWER_KEYS, *SHARED_FLAGS) if getattr(args, f) is not None]
     given = {SHARED_FLAGS.get(f, f): getattr(args, f) for f in flags}
-    if "n_embd" in given:  # derived widths follow a new n_embd unless given too
-        for k in ("dim_att", "dim_ffn"):
-            given.setdefault(k, 0)
-    source = str(path)
+    source = str(path) + (f" ({named_by})" if named_by else "")
     if flags:
         source += " overridden by " + ", ".join("--" + f.replace("_", "-") for f in flags)
-    model = ModelArgs.from_dict({**params, **given}, source=f"model config {source}")
+    model = ModelArgs.from_dict(apply_overrides(params, given), source=f"model config {source}")
     return model, source
 
 
@@ -285,19 +293,51 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             args.data_format = "rec"
     if args.data_format != "builtin" and not args.train_data:
         raise TrainArgsError(f"--data-format {args.data_format} needs --train-data")
+    check_train_data(args)
     return args
+
+
+PAIRS_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")
+
+
+def check_train_data(args: argparse.Namespace) -> None:
+    """Catch training data given in a form the chosen loader cannot read, with the fix:
+    a JSONL/CSV of pairs (convert it with make_rec.py) or a folder of parquet / .tar
+    shards read as a .rec prefix (name the format)."""
+    import os
+
+    data, fmt = args.train_data, args.data_format
+    if not data or fmt in ("builtin", "parquet"):
+        return
+    if data.lower().endswith(PAIRS_SUFFIXES):
+        raise TrainArgsError(
+            f"--train-data {data} is a table of image-caption pairs, which train.py does not "
+            f"read directly: convert it first with python scripts/make_rec.py {data} "
+            "data/train, then pass --train-data data/train (see docs/own-data.md)")
+    if fmt == "rec" and os.path.isdir(data):
+        names = os.listdir(data)
+        for suffix, flag in ((".parquet", "parquet"), (".tar", "wds")):
+            if any(n.endswith(suffix) for n in names):
+                raise TrainArgsError(
+                    f"--train-data {data} is a folder of {suffix} files, read here as a .rec "
+                    f"prefix: pass --data-format {flag}")
+        if any(n.endswith(".rec") for n in names):
+            recs = sorted(n[:-4] for n in names if n.endswith(".rec"))
+            raise TrainArgsError(
+                f"--train-data {data} is a folder; pass the .rec prefix, e.g. --train-data "
+                f"{os.path.join(data, recs[0])}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and resolve; bad flags or a bad config exit with status 2 and one line
     ``train.py: error: ...`` naming the flag or config key (argparse's own errors, such as
     an unknown flag, come with its usage text as usual)."""
-    parser = build_parser()
+    parser = build_train_parser()
     args = parser.parse_args(argv)
     args.explicit = explicit_dests(argv)  # what a resume may not silently override
     try:
         return resolve_args(args)
-    except (TrainArgsError, ConfigError) as exc:
+    except (TrainArgsError, ConfigError, CheckpointError) as exc:
         report(exc, parser.prog)
         raise SystemExit(EXIT_USER_ERROR) from None
 
@@ -310,7 +350,7 @@ def warn_ignored(args: argparse.Namespace, log=print) -> None:
 
 
 # ----------------------------------------------------------------------------- resume, retention
-# (issue 10: flags of the run-safety features; the logic lives in loop.py / checkpoint.py)
+# the run-safety flags; the logic lives in loop.py / checkpoint.py
 
 DEFAULT_KEEP_CHECKPOINTS = 5
 
@@ -331,7 +371,7 @@ def add_run_safety_flags(p: argparse.ArgumentParser) -> None:
 
 def explicit_dests(argv: Sequence[str] | None) -> list[str]:
     """The destinations of the flags given on the command line (not their defaults)."""
-    parser = build_parser()
+    parser = build_train_parser()
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return sorted(vars(parser.parse_args(argv)))
@@ -340,5 +380,5 @@ def explicit_dests(argv: Sequence[str] | None) -> list[str]:
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse's own errors (unknown flag, bad value) as one line, not the 30-line usage."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")

@@ -11,8 +11,8 @@ A checkpoint is one ``torch.save`` dict, readable with ``weights_only=True``:
 * ``rng``: per rank, torch CPU (and CUDA) generator states, numpy's and Python's ``random``;
 * ``args``: the training arguments (JSON-safe values), ``model_config``.
 
-Format 1 (before the learning rate became a function of the step) also holds a
-``scheduler`` state dict; it loads and resumes the same, the entry is ignored.
+Format 1 also holds a ``scheduler`` state dict; it loads and resumes the same, the entry
+is ignored.
 
 Writes go to a temporary file in the same folder, are flushed to disk, then renamed
 over the target, so a crash never leaves a half-written checkpoint under a real name.
@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from ..checkpoint_files import load_torch_file, unwrap_model
 from ..errors import CheckpointError, ResumeError
-from ..model import load_torch_file
 
 LATEST = "epoch_latest.pt"
 CHECKPOINT_NAME = re.compile(r"(epoch|step)_\d+\.pt")
@@ -54,51 +52,13 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
-def rng_states(device: torch.device | None = None) -> dict[str, Any]:
-    np_state = np.random.get_state()
-    states = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                  "cached_gaussian": float(np_state[4])},
-        "python": _json_safe(random.getstate()),
-        "cuda": None,
-    }
-    if device is not None and device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def restore_rng_states(states: dict[str, Any], device: torch.device | None = None) -> None:
-    torch.set_rng_state(states["torch"].cpu())
-    n = states["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached_gaussian"]))
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if states.get("cuda") is not None and device is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(states["cuda"].cpu(), device)
-
-
-def unwrap_module(model):
-    """The plain model under torch.compile's and DDP's wrappers, in any order, so that
-    checkpoint keys never carry ``_orig_mod.`` or ``module.``."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
-
-
 def build_checkpoint(model, optimizer, scaler, *, step: int, epoch: int, batch_in_epoch: int,
                      args, rng: list[dict[str, Any]], total_steps: int) -> dict[str, Any]:
-    """``rng``: every rank's :func:`rng_states`, in rank order."""
+    """``rng``: every rank's :func:`rwkv_clip.train.rng.capture_rng`, in rank order."""
     args_dict = vars(args) if not isinstance(args, dict) else args
     return {
         "format_version": FORMAT_VERSION,
-        "state_dict": {k: v.detach().cpu() for k, v in unwrap_module(model).state_dict().items()},
+        "state_dict": {k: v.detach().cpu() for k, v in unwrap_model(model).state_dict().items()},
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "step": int(step),
@@ -257,8 +217,9 @@ RUN_SETTINGS = ("train_data", "data_format", "train_num_samples", "loader", "bui
                 "batch_size", "gradient_acc", "accum_mode", "precision", "lr", "lr_scheduler",
                 "warmup", "epochs", "max_steps", "optimizer", "beta1", "beta2",
                 "weight_decay", "exclude_decay", "grad_clip_norm", "local_loss",
-                "gather_with_grad", "seed", "lock_image", "lock_text", "lora_rank",
-                "lora_alpha", "lora_dropout", "lora_targets", "lora_base_precision")
+                "gather_with_grad", "seed", "lock_image", "lock_text", "zero_shot_data",
+                "zero_shot_every", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+                "lora_base_precision")
 # ... of which these can never change: the data position is counted in their batches.
 FIXED_SETTINGS = ("batch_size", "gradient_acc")
 FREE_MODEL_KEYS = ("with_cp",)  # activation checkpointing changes memory, not results

@@ -20,11 +20,7 @@ import logging
 import math
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable
-
-import torch
 
 LOGGER_NAME = "rwkv_clip.train"
 LOG_FORMATS = ("plain", "original")
@@ -179,7 +175,7 @@ class Board:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(os.path.join(output, "tensorboard"))
 
-    def scalars(self, step: int, **values: float) -> None:
+    def scalars(self, step: int, **values: float | None) -> None:
         if self.writer is None:
             return
         for tag, value in values.items():
@@ -201,51 +197,3 @@ def progress_bar(total: int, initial: int, enabled: bool):
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                 desc="train", file=sys.stderr, leave=False, disable=None)
-
-
-def _nothing_to_wait_for(raise_error: bool = True) -> None:
-    return None
-
-
-def prepare_wkv_kernel(device: torch.device, log: logging.Logger,
-                       background: bool = False) -> Callable[..., None]:
-    """Build (or load) the CPU WKV kernel before the first step, saying so when it is not
-    in the kernel cache yet: the first use compiles it, which takes about 20 s without a
-    word otherwise. Other devices and the pure-PyTorch backend need nothing here.
-
-    Returns ``wait(raise_error=True)``: it waits for the kernel and raises the build's
-    error, if any (``raise_error=False`` on the way out of another error, which is the
-    one to report).
-    ``background=True`` compiles in a thread (the compiler is a subprocess, so the GIL is
-    free) while the caller builds the model and generates the data: on a fresh clone the
-    ~20 s build and the ~20 s dataset generation then overlap instead of adding up."""
-    if torch.device(device).type != "cpu":
-        return _nothing_to_wait_for
-    if os.environ.get("RWKV_CLIP_WKV_BACKEND", "").strip().lower() == "reference":
-        return _nothing_to_wait_for
-    from ..ops import build
-
-    if build.cpu_kernel_cached():
-        return _nothing_to_wait_for
-    log.info(f"preparing the WKV CPU kernel (first use compiles it, ~20 s; cached in "
-             f"{build.cache_root()})")
-    t0 = time.time()
-    failure: list[BaseException] = []
-
-    def compile_kernel() -> None:
-        try:
-            build.get_cpu_kernel()
-            log.info(f"WKV CPU kernel ready ({time.time() - t0:.0f} s)")
-        except BaseException as exc:  # handed to the waiter, raised in the caller's thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=compile_kernel, name="wkv-kernel-build", daemon=True)
-    thread.start()
-
-    def wait(raise_error: bool = True) -> None:
-        thread.join()  # never leave a half-written build behind on exit
-        if failure and raise_error:
-            raise failure[0]
-    if not background:
-        wait()
-    return wait

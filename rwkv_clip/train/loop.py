@@ -24,13 +24,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from .. import create_RWKV_Model, host_memory
+from .. import host_memory
 from ..distributed import (
     DistInfo,
     any_rank_true,
@@ -40,30 +39,36 @@ from ..distributed import (
     launch_environment,
     pick_device,
 )
-from ..errors import ResumeError, RWKVCLIPError, TrainArgsError, TrainingError, run_cli
+from ..errors import (
+    NonFiniteLossError,
+    ResumeError,
+    RWKVCLIPError,
+    TrainArgsError,
+    TrainingError,
+    run_cli,
+)
+from ..factory import build_model
 from ..lora import LoraSettings, add_adapters, parameter_counts
 from ..loss import ClipLoss
-from ..model import load_model_weight
+from ..model import get_model
+from ..ops import prepare_wkv_kernel
 from ..precision import get_precision
+from ..pretrained import load_weights
 from . import checkpoint as ckpt_io
-from .accumulation import (
-    MicroBatchLosses,
-    caption_generator,
-    clamp_logit_scale,
-    make_micro_batches,
-    optimizer_step,
-    unscale_and_clip,
-)
+from .accumulation import StepResult, caption_generator, make_micro_batches, train_step
 from .args import warn_ignored
 from .logger import (
     Board,
     SpeedLogger,
     close_logging,
-    prepare_wkv_kernel,
     progress_bar,
     setup_logging,
 )
+from .rng import capture_rng, restore_rng
 from .schedule import lr_at, set_lr
+
+if TYPE_CHECKING:
+    from ..data.loader import LoaderArgs
 
 
 @dataclass
@@ -167,12 +172,13 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
     log.info(f"rank {info.rank}/{info.world_size} on {info.device} "
              f"(backend {info.backend or 'none'}); model settings from {source}")
     warn_ignored(args, log.info)
-    if host_memory.applied() is not None:
-        log.info(host_memory.describe(host_memory.applied()))
+    malloc_choice = host_memory.applied()
+    if malloc_choice is not None:
+        log.info(host_memory.describe(malloc_choice))
     # says so before a first-use compile, which then overlaps the model and data set-up
-    kernel_ready = prepare_wkv_kernel(info.device, log, background=True)
+    kernel_ready = prepare_wkv_kernel(info.device, log.info, background=True)
     try:
-        model = build_model(args, info, log)
+        model = build_train_model(args, info, log)
         data = prepare_data(args, info, log)
     except BaseException:
         kernel_ready(raise_error=False)
@@ -191,14 +197,14 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
         rng = resume(ckpt, ckpt_path, info, log, model, optimizer, scaler, state,
                      data.total_steps)
         del ckpt
-    ddp_model = model  # wrapped after loading, so every rank starts from the same weights
+    ddp_model: Any = model  # wrapped after loading, so every rank starts from the same weights
     if info.distributed:
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
             bucket_cap_mb=32, find_unused_parameters=False)
     if args.torchcompile:  # the step runs compiled; checkpoints keep saving plain `model`
         ddp_model = torch.compile(ddp_model)
-    save = functools.partial(save_checkpoint, model=model, optimizer=optimizer, scaler=scaler,
+    save = functools.partial(save_run_checkpoint, model=model, optimizer=optimizer, scaler=scaler,
                              args=args, info=info, log=log, total_steps=data.total_steps)
     logs = Logs(args, info, log, state.step, data.total_steps, data.steps_per_epoch)
     k = args.gradient_acc
@@ -211,7 +217,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
             for _ in range(state.batch_in_epoch):  # resumed mid-epoch: the data position
                 next(batches)
             if rng is not None:  # after the iterator exists (it may draw seeds)
-                ckpt_io.restore_rng_states(rng, info.device)
+                restore_rng(rng, info.device)
                 rng = None
             pending: list[tuple[torch.Tensor, torch.Tensor]] = []
             for images, tokens in batches:
@@ -222,38 +228,29 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
                 # samples at once from the step's own stream (independent of the split)
                 captions = caption_generator(args.seed, info.rank, state.epoch,
                                              state.batch_in_epoch // k)
-                micro = MicroBatchLosses(  # exact mode: the K no-grad forwards happen here
-                    model, make_micro_batches([p[0] for p in pending], [p[1] for p in pending],
-                                              captions, info.device,
-                                              model.text_model.args.ctx_len),
-                    loss_fn, autocast, args.accum_mode)
+                micro_batches = make_micro_batches(
+                    [p[0] for p in pending], [p[1] for p in pending], captions, info.device,
+                    model.text_model.args.ctx_len)
                 pending = []
                 set_lr(optimizer, *lr_at(state.step, **schedule))
-                for j in range(k):
-                    if info.distributed:  # DDP all-reduces the gradients on the last only
-                        ddp_model.require_backward_grad_sync = j == k - 1
-                    loss = micro.loss(ddp_model, j)
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                if any_rank_true(not micro.finite, info):
-                    optimizer.zero_grad(set_to_none=True)
-                    raise TrainingError(
-                        f"stopping at step {state.step + 1} (epoch {state.epoch}): loss is not "
-                        f"finite ({micro.value}) on "
-                        f"{'this rank' if not micro.finite else 'another rank'}. Parameters "
-                        f"were not updated; last good checkpoint: "
-                        f"{state.last_saved or 'none saved yet'}. Try a lower --lr, "
-                        "--precision bf16 or fp32, or --resume from the checkpoint.")
-                unscale_and_clip(model, optimizer, scaler, args.grad_clip_norm)
-                optimizer_step(optimizer, scaler)
-                optimizer.zero_grad(set_to_none=True)
-                clamp_logit_scale(model)
+                try:
+                    result = train_step(model, micro_batches, loss_fn, optimizer,
+                                        scaler=scaler, autocast=autocast, mode=args.accum_mode,
+                                        clip_grad_norm=args.grad_clip_norm, wrapped=ddp_model,
+                                        info=info)
+                except NonFiniteLossError as exc:
+                    raise NonFiniteLossError(
+                        f"stopping at step {state.step + 1} (epoch {state.epoch + 1}): {exc}; last "
+                        f"good checkpoint: {state.last_saved or 'none saved yet'}. Try a lower "
+                        "--lr, --precision bf16 or fp32, or --resume from the checkpoint."
+                    ) from None
+                del micro_batches  # the step's batches are freed before saving
                 state.step += 1
                 state.batch_in_epoch += k  # the state is always at a step boundary
-                state.last_loss = micro.value
+                state.last_loss = result.loss
                 # the speed line shows the next step's lr, as the original's did
                 next_lr = lr_at(min(state.step, data.total_steps - 1), **schedule)[0]
-                logs.step(state.step, micro, next_lr, scaler)
-                del micro  # the step's batches and features are freed before saving
+                logs.step(state.step, result, next_lr, scaler)
                 if args.save_every_steps and state.step % args.save_every_steps == 0:
                     save(f"step_{state.step}.pt", state)
                 if stop.requested(info):  # SIGINT / SIGTERM: a checkpoint, then exit
@@ -263,7 +260,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
             if state.batch_in_epoch < epoch_batches:
                 if state.step >= data.total_steps:
                     break  # --max-steps reached inside an epoch
-                raise TrainingError(f"the loader ended epoch {state.epoch} after "
+                raise TrainingError(f"the loader ended epoch {state.epoch + 1} after "
                                     f"{state.batch_in_epoch} batches, fewer than its length "
                                     f"{data.micro_per_epoch}")
             for _ in batches:  # drain the leftover batches, then the next epoch's draws
@@ -313,12 +310,12 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None) -> dict[st
 
 # ----------------------------------------------------------------------------- setup
 
-def build_model(args, info: DistInfo, log) -> torch.nn.Module:
+def build_train_model(args, info: DistInfo, log) -> get_model:
     """The model on its device, in train mode; identical initialisation on every rank."""
     seed_everything(args.seed)
-    model = create_RWKV_Model(SimpleNamespace(**args.model_config))
-    if args.pretrained:
-        load_model_weight(model, args.pretrained)
+    weights = load_weights(args.pretrained) if args.pretrained else None
+    model = build_model(args.model_config, weights)
+    if weights is not None:
         log.info(f"initial weights from {args.pretrained}")
     lock_towers(model, args, log)
     add_lora_adapters(model, args, log)
@@ -361,7 +358,26 @@ def prepare_data(args, info: DistInfo, log) -> TrainData:
              f"{total_steps} steps in all; global batch {global_batch} "
              f"({args.batch_size} x {k} accumulation [{args.accum_mode}] x {info.world_size} "
              f"rank(s))")
+    log.info(f"data loader: {loader_name(loader)}, {args.workers} worker(s) "
+             f"(--loader {args.loader}; choices auto, dali, torch)")
+    # exact values, so that report.png draws the schedule itself, not the rounded log lines
+    log.info(f"learning rate: {args.lr_scheduler} schedule, peak {args.lr!r}, warmup "
+             f"{args.warmup!r}, {total_steps} steps")
+    if zero_shot_dir is None and (args.zero_shot_every or args.final_zero_shot):
+        log.info("zero-shot evaluation: skipped, no image folder for this data; pass "
+                 "--zero-shot-data DIR (one sub-folder of images per class) to evaluate after "
+                 "every --zero-shot-every epoch(s) and at the end")
     return TrainData(loader, zero_shot_dir, micro_per_epoch, steps_per_epoch, total_steps)
+
+
+def loader_name(loader) -> str:
+    """Which pipeline reads the data, as the log names it."""
+    kind = type(loader).__name__
+    if kind == "DALIWrapper":
+        return "DALI"
+    if kind == "ParquetLoader":
+        return "PyTorch DataLoader over parquet (pyarrow)"
+    return "PyTorch DataLoader"
 
 
 def locate_train_data(args, info: DistInfo, log) -> tuple[str, str, str | None]:
@@ -446,8 +462,8 @@ def resume(ckpt: dict, path, info: DistInfo, log, model: torch.nn.Module,
     """Load a checkpoint's weights, optimizer, scaler and counters into place; return this
     rank's saved RNG states (restored once the data iterator exists), or None.
 
-    The learning rate needs nothing: ``lr_at`` is a function of the step. (Checkpoints
-    written before it existed hold a ``scheduler`` entry, which is ignored.)
+    The learning rate needs nothing: ``lr_at`` is a function of the step (a format-1
+    checkpoint's ``scheduler`` entry is ignored).
     """
     try:
         model.load_state_dict(ckpt["state_dict"])
@@ -463,8 +479,11 @@ def resume(ckpt: dict, path, info: DistInfo, log, model: torch.nn.Module,
     if ckpt.get("total_steps", total_steps) != total_steps:  # --epochs / --max-steps changed
         log.info(f"schedule length changed ({ckpt['total_steps']} -> {total_steps} steps): "
                  f"continuing the new schedule at step {state.step}")
-    log.info(f"resumed from {path}: step {state.step}, epoch {state.epoch}, "
-             f"batch {state.batch_in_epoch} of that epoch")
+    # epochs are counted from 1 as in the progress lines: state.epoch epochs are done
+    log.info(f"resumed from {path}: step {state.step}, "
+             + (f"epoch {state.epoch + 1} from its batch {state.batch_in_epoch + 1}"
+                if state.batch_in_epoch else f"epoch {state.epoch + 1} from its start")
+             + f" ({state.epoch} epoch(s) done)")
     rngs = ckpt["rng"]
     if isinstance(rngs, list) and len(rngs) == info.world_size:
         return rngs[info.rank]
@@ -472,7 +491,7 @@ def resume(ckpt: dict, path, info: DistInfo, log, model: torch.nn.Module,
     return None
 
 
-def save_checkpoint(name: str, state: RunState, *, model, optimizer, scaler, args,
+def save_run_checkpoint(name: str, state: RunState, *, model, optimizer, scaler, args,
                     info: DistInfo, log, total_steps: int) -> None:
     """Every rank's RNG states go in, so every rank must call this; rank 0 writes."""
     rngs_all = _gather_rng(info)
@@ -491,7 +510,7 @@ def save_checkpoint(name: str, state: RunState, *, model, optimizer, scaler, arg
 
 def _gather_rng(info: DistInfo) -> list:
     """Every rank's RNG states (for an exact resume), collected on all ranks."""
-    mine = ckpt_io.rng_states(info.device)
+    mine = capture_rng(info.device)
     if not info.distributed:
         return [mine]
     import torch.distributed as dist
@@ -514,14 +533,14 @@ class Logs:
         self.bar = progress_bar(total_steps, step, args.progress and info.is_master)
         self.t_start = time.time()
 
-    def step(self, step: int, micro: MicroBatchLosses, lr: float, scaler) -> None:
-        loss = micro.value
+    def step(self, step: int, result: StepResult, lr: float, scaler) -> None:
+        loss = result.loss
         amp_scale = scaler.get_scale() if scaler is not None else 1.0
-        line = self.speed.update(step=step, loss=loss, samples=micro.samples, lr=lr,
+        line = self.speed.update(step=step, loss=loss, samples=result.samples, lr=lr,
                                  amp_scale=amp_scale)
         if not self.info.is_master:
             return
-        self.board.scalars(step, loss=loss, lr=lr, logit_scale=micro.logit_scale,
+        self.board.scalars(step, loss=loss, lr=lr, logit_scale=result.logit_scale,
                            samples_per_second=(self.speed.last_speed * self.info.world_size
                                                if line else None))
         if self.bar is not None:
@@ -607,7 +626,8 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
 
 
 def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -617,9 +637,8 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.beta1)
-    # fused: one kernel over all parameters instead of ~10 small ops per tensor; on 2 CPU
-    # cores it is 11 ms instead of 62 ms per step for the small config (same update up to
-    # rounding). The original's AdamW is the plain one.
+    # fused: one kernel over all parameters instead of ~10 small ops per tensor (the same
+    # update up to rounding). The original's AdamW is the plain one.
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
                 for group in groups for p in group["params"])
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), fused=fused)
@@ -645,8 +664,10 @@ def add_lora_adapters(model: torch.nn.Module, args, log) -> None:
              "every other weight frozen")
 
 
-def loader_args(args, info: DistInfo, train_data: str, data_format: str) -> SimpleNamespace:
-    return SimpleNamespace(
+def loader_args(args, info: DistInfo, train_data: str, data_format: str) -> LoaderArgs:
+    from ..data.loader import LoaderArgs
+
+    return LoaderArgs(
         train_data=train_data, data_format=data_format, batch_size=args.batch_size,
         workers=args.workers, input_size=args.input_size, seed=args.seed,
         skip_corrupt=args.skip_corrupt, device=str(info.device), rank=info.rank,

@@ -1,0 +1,160 @@
+"""Checkpoint files: reading a state dict safely (``torch.save`` archives with
+``weights_only=True``, ``.safetensors``), the DDP / torch.compile wrappers around modules and
+keys, and the strict check of a state dict against a model."""
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import lora
+from .errors import CheckpointError
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain model under DDP / DataParallel (``.module``) and torch.compile
+    (``._orig_mod``) wrappers, in any order."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, (nn.parallel.DistributedDataParallel,
+                                                nn.DataParallel)):
+            inner = model.module
+        if inner is None:
+            return model
+        model = inner
+
+
+def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove DDP's ``module.`` and torch.compile's ``_orig_mod.`` from every key."""
+    cleaned = {}
+    for key, value in state_dict.items():
+        # only leading wrappers (DDP around compile or the other way round); a name such
+        # as "blocks.0.module.x" inside the model keeps its "module."
+        stripped = True
+        while stripped:
+            stripped = False
+            for prefix in WRAPPER_PREFIXES:
+                if key.startswith(prefix):
+                    key, stripped = key[len(prefix):], True
+        cleaned[key] = value
+    return cleaned
+
+
+def load_torch_file(path: str | os.PathLike, map_location=None) -> Any:
+    """``torch.load(weights_only=True)`` whose errors name the file and say what it is: a
+    missing or empty file, something that is not a ``torch.save`` file at all (garbage,
+    JSON, truncated), or one that holds pickled code (refused: loading it could run it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if not head:
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint (empty file)")
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # zip / legacy pickle
+        looks = "; it looks like JSON" if head.lstrip()[:1] in (b"{", b"[") else ""
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint (starts with {head!r}, not "
+                              f"a torch.save archive{looks})")
+    try:
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # weights_only met a global it will not call
+        detail = str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        raise CheckpointError(f"cannot read checkpoint {path}: it holds Python objects other "
+                              f"than tensors and containers, which are refused because "
+                              f"loading them could run code ({detail})") from None
+    except Exception as exc:  # a damaged archive: truncated copy, flipped bytes...
+        detail = (str(exc).splitlines() or [""])[0]
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint (a damaged or truncated "
+                              f"torch.save archive: {type(exc).__name__}: {detail})") from None
+
+
+def read_state_dict(path: str | os.PathLike, map_location=None,
+                    merge_lora: bool = True) -> dict[str, torch.Tensor]:
+    """Load a checkpoint file safely: ``.safetensors``, or a ``torch.save`` file read
+    with ``weights_only=True`` holding a plain state dict or one of our training
+    checkpoints (``{"state_dict": ...}`` / ``{"model": ...}``). The adapters of a LoRA
+    training checkpoint are merged into plain weights (:mod:`rwkv_clip.lora`); with
+    ``merge_lora=False`` such a checkpoint is an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.suffix.lower() == ".safetensors":
+        return strip_prefixes(_read_safetensors(path, map_location))
+    outer = obj = load_torch_file(path, map_location)
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"checkpoint {path} does not hold a state dict of tensors")
+    state = strip_prefixes(obj)
+    if lora.has_adapters(state):
+        if not merge_lora:
+            raise CheckpointError(f"checkpoint {path} holds LoRA adapters: merge them into "
+                                  "plain weights (python -m rwkv_clip.export --merge-lora)")
+        settings = lora.settings_from_checkpoint(outer, f"checkpoint {path}")
+        state = lora.merge_state_dict(state, settings, f"checkpoint {path}")
+    return state
+
+
+def _read_safetensors(path: Path, map_location=None) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise CheckpointError(f"checkpoint {path}: reading .safetensors needs the safetensors "
+                              "package (pip install safetensors)") from None
+    device = str(map_location) if map_location is not None else "cpu"
+    try:
+        return load_file(str(path), device=device)
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}. "
+                              "Expected a safetensors file of RWKV-CLIP's state dict") from None
+
+
+def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str,
+                     hint: Callable[[], str] | None = None) -> None:
+    """Raise one error listing every missing, unexpected and mis-shaped key; ``hint`` (called
+    only on a mismatch) adds the fix to its first line."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    shapes = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
+              for k, v in state_dict.items() if k in expected and v.shape != expected[k].shape]
+    if not (missing or unexpected or shapes):
+        return
+    hint_text = hint() if hint is not None else ""
+    lines = [f"checkpoint {source} does not fit this model config{hint_text}"]
+    for title, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                         ("shape mismatches", shapes)):
+        if items:
+            shown = ", ".join(items[:12]) + (f", ... ({len(items) - 12} more)" if len(items) > 12 else "")
+            lines.append(f"  {title} ({len(items)}): {shown}")
+    if any(item.startswith("image_model.pos_embed:") for item in shapes):
+        lines.append("  (pos_embed differs: the config's input_size/image_patch_size do not "
+                     "match the image size the weights were trained at)")
+    raise CheckpointError("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class StateDict:
+    """A state dict read from a checkpoint and where it came from (for messages)."""
+
+    tensors: dict[str, torch.Tensor]
+    label: str
+    config: str | None = None  # the shipped config it was published for, if known
+
+
+def load_checked(model: nn.Module, weights: StateDict,
+                 hint: Callable[[], str] | None = None) -> nn.Module:
+    """Check ``weights`` against ``model`` (one error listing every difference) and load
+    them strictly; values land on the model's device, in its dtypes."""
+    check_state_dict(model, weights.tensors, weights.label, hint)
+    model.load_state_dict(weights.tensors, strict=True)
+    return model

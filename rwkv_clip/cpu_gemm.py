@@ -1,0 +1,130 @@
+"""The CPU GEMM policy of the towers' matrix products (:mod:`rwkv_clip.layers.linear`):
+whether low-precision autocast products run as fp32 GEMMs on rounded operands, and whether
+fp32 ``Linear`` forwards run oneDNN's matmul; each chosen once from the CPU and an
+environment variable."""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from .errors import PrecisionError
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def assume_constant_result(fn: _F) -> _F:
+    """``torch.compiler.assume_constant_result``: traced calls of ``fn`` become the
+    constant it returns. Written out because torch's function imports ``torch._dynamo``,
+    a large part of the import time of every process though nothing is compiled; the mark
+    is the attribute ``torch._dynamo.assume_constant_result`` sets (a test checks that it
+    still is)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+CPU_LOWP_MATMUL_ENV = "RWKV_CLIP_CPU_LOWP_MATMUL"
+CPU_LOWP_MATMUL_CHOICES = ("auto", "native", "fp32")
+
+
+@assume_constant_result  # traced calls read the choice made once here
+def cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether the towers' matmuls and convolutions under CPU ``dtype`` autocast (bf16 or
+    fp16) run as fp32 GEMMs on the rounded operands (see :mod:`rwkv_clip.layers.linear`).
+
+    ``auto`` (default): on x86 CPUs without native GEMMs of that dtype (bf16: AVX512-BF16
+    or AMX; fp16: AMX-FP16), where torch emulates them many times slower than fp32;
+    ``native``: never; ``fp32``: always. Read once per dtype from ``RWKV_CLIP_CPU_LOWP_MATMUL``
+    (:func:`cpu_matmul_choice_reset` forgets the choices).
+    """
+    return _cpu_matmul_in_fp32(dtype)
+
+
+def cpu_matmul_choice_reset() -> None:
+    """Forget the choices of :func:`cpu_matmul_in_fp32` and :func:`cpu_linear_uses_onednn`
+    (they are read again on next use)."""
+    _cpu_matmul_in_fp32.cache_clear()
+    _cpu_linear_uses_onednn.cache_clear()
+
+
+def env_choice(name: str, choices: tuple[str, ...],
+               error: type[Exception] = PrecisionError) -> str:
+    """The environment variable ``name`` (default ``auto``), one of ``choices``; any other
+    value raises ``error`` naming the variable and the choices. The CPU knobs' reader
+    (this module's and :mod:`rwkv_clip.host_memory`'s)."""
+    choice = os.environ.get(name, "auto").strip().lower() or "auto"
+    if choice not in choices:
+        raise error(f"{name}={choice!r}: expected one of {', '.join(choices)}")
+    return choice
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+@functools.cache
+def _cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
+    choice = env_choice(CPU_LOWP_MATMUL_ENV, CPU_LOWP_MATMUL_CHOICES)
+    if choice != "auto":
+        return choice == "fp32"
+    if not _is_x86():
+        return False  # other CPUs: leave torch's kernels alone
+    if dtype == torch.bfloat16:
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    elif dtype == torch.float16:
+        native = torch.cpu._is_amx_fp16_supported()
+    else:
+        return False
+    return not native
+
+
+CPU_LINEAR_ENV = "RWKV_CLIP_CPU_LINEAR"
+CPU_LINEAR_CHOICES = ("auto", "onednn", "mkl")
+
+
+@assume_constant_result
+def cpu_linear_uses_onednn() -> bool:
+    """Whether the towers' fp32 ``Linear`` forwards on the CPU run oneDNN's matmul
+    (``torch.ops.mkldnn._linear_pointwise``) instead of torch's default (MKL's sgemm).
+
+    ``auto`` (default): on AMD x86 CPUs, where MKL's sgemm trails oneDNN's JIT kernels on
+    the towers' wide products (see docs/performance.md); torch's default elsewhere.
+    ``onednn`` / ``mkl`` force either. Only products with both weight dimensions >= 512
+    qualify (narrower ones are slower), and the backward products stay torch's. Read once from ``RWKV_CLIP_CPU_LINEAR``
+    (:func:`cpu_matmul_choice_reset` forgets it). TorchScript traces keep ``aten.linear``;
+    ``torch.compile`` sees the operator ``rwkv_clip::onednn_linear``.
+    """
+    return _cpu_linear_uses_onednn()
+
+
+@functools.cache
+def _cpu_linear_uses_onednn() -> bool:
+    choice = env_choice(CPU_LINEAR_ENV, CPU_LINEAR_CHOICES)
+    available = (torch.backends.mkldnn.is_available()
+                 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    if choice == "onednn" and not available:
+        raise PrecisionError(f"{CPU_LINEAR_ENV}=onednn: this torch build has no oneDNN "
+                             "matmul (torch.backends.mkldnn); expected auto or mkl here")
+    if choice != "auto":
+        return choice == "onednn"
+    return available and _is_x86() and _cpu_vendor() == "AuthenticAMD"
+
+
+def _cpu_vendor() -> str:
+    """The x86 vendor string (``GenuineIntel``, ``AuthenticAMD``; "" where unknown)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+__all__ = ["cpu_matmul_in_fp32", "cpu_matmul_choice_reset", "cpu_linear_uses_onednn",
+           "assume_constant_result", "env_choice", "CPU_LOWP_MATMUL_ENV", "CPU_LINEAR_ENV"]

@@ -1,0 +1,189 @@
+"""Toolchain discovery for the native WKV kernels: the kernel sources, the C++ compiler and
+ninja, the CUDA toolkit root and the CUDA architectures to build for."""
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.resources
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import WKVError
+
+# With no GPU visible (a login node, a CPU-only build job) and no TORCH_CUDA_ARCH_LIST,
+# build for these; the last one also as PTX, so newer cards JIT-compile it. 7.5 covers T4s.
+DEFAULT_CUDA_ARCHS = ("7.5", "8.0", "9.0")
+
+
+def source_dir() -> Path:
+    """The folder holding the kernel sources: the checkout's cuda/ or the installed package."""
+    here = Path(__file__).resolve().parents[2] / "cuda"
+    if (here / "wkv6_cpu.cpp").is_file():
+        return here
+    try:
+        pkg = importlib.resources.files("rwkv_clip.cuda")
+        path = Path(str(pkg))
+        if (path / "wkv6_cpu.cpp").is_file():
+            return path
+    except (ModuleNotFoundError, TypeError):
+        pass
+    raise WKVError("rwkv_clip: kernel sources not found (expected cuda/wkv6_cpu.cpp in the source "
+                 "checkout or in the installed package rwkv_clip.cuda)")
+
+
+def cpu_isa_flags() -> tuple[str, list[str]]:
+    """Instruction-set flags the build machine supports (tag, flags). The tag goes into
+    the cache name so a shared cache never hands AVX2 code to an older CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set()
+            for line in f:
+                if line.startswith("flags"):
+                    flags.update(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        flags = set()
+    if {"avx2", "fma"} <= flags:
+        return "avx2", ["-mavx2", "-mfma"]
+    return "base", []
+
+
+def check_cxx() -> None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None and shutil.which("g++") is None:
+        raise WKVError(f"rwkv_clip: building the WKV kernel needs a C++ compiler ({cxx!r} or g++) "
+                     "on PATH; install one (e.g. apt-get install g++) or use backend='reference'")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+            bindir = Path(ninja.BIN_DIR)
+        except (ImportError, AttributeError):
+            raise WKVError("rwkv_clip: building the WKV kernel needs ninja (pip install ninja)"
+                         ) from None
+        os.environ["PATH"] = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def _is_toolkit_root(p: Path) -> bool:
+    """A CUDA toolkit root: bin/nvcc, include/cuda_runtime.h and a libcudart."""
+    if not ((p / "bin" / "nvcc").is_file() and (p / "include" / "cuda_runtime.h").is_file()):
+        return False
+    libs = [*p.glob("lib64/libcudart*"), *p.glob("lib/libcudart*"),
+            *p.glob("targets/*/lib/libcudart*")]
+    return bool(libs)
+
+
+def find_cuda_home() -> Path | None:
+    """The real CUDA toolkit root (bin/nvcc + libcudart), or None.
+
+    Honours CUDA_HOME / CUDA_PATH; otherwise follows ``nvcc`` on PATH through symlinks
+    and through simple wrapper scripts (``exec /usr/local/cuda-X/bin/nvcc "$@"``), then
+    falls back to /usr/local/cuda*."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var) and _is_toolkit_root(Path(os.environ[var])):
+            return Path(os.environ[var])
+    candidates: list[Path] = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = Path(os.path.realpath(nvcc))
+        candidates.append(real.parent.parent)
+        try:
+            if real.stat().st_size < 64 * 1024:
+                text = real.read_text(errors="ignore")
+                for m in re.finditer(r"(/[^\s'\"]+)/bin/nvcc\b", text):
+                    candidates.append(Path(m.group(1)))
+        except OSError:
+            pass
+    want = (torch.version.cuda or "").split(".")[0]
+    local = sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    local.sort(key=lambda p: not Path(p).name.startswith(f"cuda-{want}."))  # matching major first
+    candidates += [Path("/usr/local/cuda")] + [Path(p) for p in local]
+    for c in candidates:
+        if _is_toolkit_root(c):
+            return c.resolve()
+    return None
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str):
+    """Raise ``name``'s log level to ERROR for the block (torch's import-time warnings)."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def prepare_cuda_toolchain() -> Path:
+    if torch.version.cuda is None:
+        raise WKVError("rwkv_clip: this torch build has no CUDA support, so the CUDA WKV kernel "
+                     "cannot be built")
+    home = find_cuda_home()
+    if home is None:
+        raise WKVError("rwkv_clip: building the CUDA WKV kernel needs the CUDA toolkit (a folder "
+                     "with bin/nvcc and lib64/libcudart*); set CUDA_HOME or put nvcc on PATH")
+    if not os.environ.get("CUDA_HOME"):
+        os.environ["CUDA_HOME"] = str(home)
+    with quiet_logger("torch.utils.cpp_extension"):  # "No CUDA runtime" on CPU hosts
+        import torch.utils.cpp_extension as ext
+    cur = getattr(ext, "CUDA_HOME", None)
+    if cur is None or not _is_toolkit_root(Path(cur)):
+        ext.CUDA_HOME = str(home)  # cpp_extension guessed wrongly at import (wrapper nvcc)
+    return home
+
+
+_ARCH_RE = re.compile(r"^(\d+)\.(\d+)([a-z]?)(\+PTX)?$")
+
+
+def cuda_arch_list() -> str:
+    """The CUDA architectures to build for, e.g. ``"7.5;8.0;9.0+PTX"``.
+
+    ``$TORCH_CUDA_ARCH_LIST`` is used as given. Otherwise the visible GPUs' capabilities
+    (clamped to what this torch supports), else :data:`DEFAULT_CUDA_ARCHS`; either way the
+    highest one also as PTX, so a card newer than any listed can still run the kernel.
+    """
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env and env != "native":
+        return ";".join(a for a in env.replace(" ", ";").split(";") if a)
+    archs: list[tuple[int, int]] = []
+    if torch.cuda.is_available():
+        supported = [int(a.split("_")[1]) for a in torch.cuda.get_arch_list()
+                     if a.startswith("sm_") and a.split("_")[1].isdigit()]
+        top = max(((sm // 10, sm % 10) for sm in supported), default=(99, 9))
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            cap = min(top, (major, minor))
+            if cap not in archs:
+                archs.append(cap)
+    if not archs:
+        archs = [(int(a.split(".")[0]), int(a.split(".")[1])) for a in DEFAULT_CUDA_ARCHS]
+    names = [f"{major}.{minor}" for major, minor in sorted(archs)]
+    names[-1] += "+PTX"
+    return ";".join(names)
+
+
+def cuda_gencode_flags(arch_list: str) -> list[str]:
+    """nvcc ``-gencode`` flags for an arch list such as ``"8.0;9.0+PTX"``.
+
+    Passed explicitly, so cpp_extension adds none of its own and the list is the one in
+    the cache key (nothing is written to ``TORCH_CUDA_ARCH_LIST``)."""
+    flags: list[str] = []
+    for arch in filter(None, arch_list.split(";")):
+        m = _ARCH_RE.match(arch)
+        if m is None:
+            raise WKVError(f"rwkv_clip: CUDA arch {arch!r} (from TORCH_CUDA_ARCH_LIST or the GPU) "
+                         "is not of the form MAJOR.MINOR[+PTX], e.g. '8.0;9.0+PTX'")
+        num = f"{m.group(1)}{m.group(2)}{m.group(3)}"
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if m.group(4):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    if not flags:
+        raise WKVError("rwkv_clip: the CUDA arch list is empty; set TORCH_CUDA_ARCH_LIST, "
+                     "e.g. '8.0;9.0+PTX'")
+    return flags
