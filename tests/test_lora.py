@@ -110,8 +110,9 @@ def test_merged_export_and_evaluation_match_the_adapted_model(tmp_path, tiny_rec
         base.load_state_dict(torch.load(base_weights, weights_only=True))
         base_img = base.encode_image(images)
         from rwkv_clip.eval.distributed import current
-        from rwkv_clip.eval.runner import build_model, options
-        evaluated = build_model(options(model_weight=ckpt), torch.device("cpu"), current())[0]
+        from rwkv_clip.eval.runner import build_eval_model, options
+        evaluated = build_eval_model(options(model_weight=ckpt), torch.device("cpu"),
+                                     current())[0]
         for path in (exported, prefixed):
             merged = create_RWKV_Model(args, model_weight_path=path).eval()
             for model in (merged, evaluated):
