@@ -216,7 +216,8 @@ def test_lora_ddp_two_processes(tmp_path, tiny_rec, base_weights):
     from train_util import REPO
     out_dir = tmp_path / "out"
     argv = tiny_argv(out_dir, tiny_rec, "--pretrained", base_weights, "--batch-size", "4",
-                     "--gradient-acc", "2", "--max-steps", "2", "--lora-rank", "4")
+                     "--gradient-acc", "2", "--epochs", "2", "--max-steps", "2",
+                     "--lora-rank", "4")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
