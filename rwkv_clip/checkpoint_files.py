@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import lora
 from .errors import CheckpointError
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's
@@ -76,22 +77,32 @@ def load_torch_file(path: str | os.PathLike, map_location=None) -> Any:
                               f"torch.save archive: {type(exc).__name__}: {detail})") from None
 
 
-def read_state_dict(path: str | os.PathLike, map_location=None) -> dict[str, torch.Tensor]:
+def read_state_dict(path: str | os.PathLike, map_location=None,
+                    merge_lora: bool = True) -> dict[str, torch.Tensor]:
     """Load a checkpoint file safely: ``.safetensors``, or a ``torch.save`` file read
     with ``weights_only=True`` holding a plain state dict or one of our training
-    checkpoints (``{"state_dict": ...}`` / ``{"model": ...}``)."""
+    checkpoints (``{"state_dict": ...}`` / ``{"model": ...}``). The adapters of a LoRA
+    training checkpoint are merged into plain weights (:mod:`rwkv_clip.lora`); with
+    ``merge_lora=False`` such a checkpoint is an error."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if path.suffix.lower() == ".safetensors":
         return strip_prefixes(_read_safetensors(path, map_location))
-    obj = load_torch_file(path, map_location)
+    outer = obj = load_torch_file(path, map_location)
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"checkpoint {path} does not hold a state dict of tensors")
-    return strip_prefixes(obj)
+    state = strip_prefixes(obj)
+    if lora.has_adapters(state):
+        if not merge_lora:
+            raise CheckpointError(f"checkpoint {path} holds LoRA adapters: merge them into "
+                                  "plain weights (python -m rwkv_clip.export --merge-lora)")
+        settings = lora.settings_from_checkpoint(outer, f"checkpoint {path}")
+        state = lora.merge_state_dict(state, settings, f"checkpoint {path}")
+    return state
 
 
 def _read_safetensors(path: Path, map_location=None) -> dict[str, torch.Tensor]:

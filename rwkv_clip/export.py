@@ -26,18 +26,19 @@ from .checkpoint_files import save_state_dict
 from .errors import CheckpointError, ConfigError, run_cli
 
 
-def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None
-                      ) -> tuple[dict[str, torch.Tensor], str]:
+def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None,
+                      merge_lora: bool = False) -> tuple[dict[str, torch.Tensor], str]:
     """``(state dict in the model's key order and dtypes, config name or path)`` of
     ``checkpoint`` (a file or a pretrained name); the config is inferred from the
-    parameter shapes unless given."""
+    parameter shapes unless given. A LoRA checkpoint needs ``merge_lora`` (its adapters
+    folded into the weights, :func:`rwkv_clip.lora.merge_state_dict`)."""
     from .checkpoint_files import check_state_dict
     from .config import load_model_configs
     from .factory import fitting_config_hint, infer_config
     from .model import create_RWKV_Model
     from .pretrained import load_weights, model_config
 
-    weights = load_weights(checkpoint)
+    weights = load_weights(checkpoint, merge_lora=merge_lora)
     state = weights.tensors
     if config is not None:
         config = model_config(config)
@@ -76,6 +77,9 @@ def build_export_parser() -> argparse.ArgumentParser:
     p.add_argument("--ddp-prefix", action="store_true",
                    help="prefix every key with 'module.', as the original's "
                         "torch.save(ddp_model.state_dict()) (what its loader expects)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA training checkpoint (train.py --lora-rank): write the "
+                        "weights with its adapters merged in (W + alpha/r B A)")
     p.add_argument("--config", default=None, metavar="JSON|NAME",
                    help="model config the weights must fit (default: inferred from the "
                         "parameter shapes among the shipped configs)")
@@ -140,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .hub import card_records
 
         records = card_records(opts.checkpoint, opts.eval_json)
-    state, config = export_state_dict(opts.checkpoint, opts.config)
+    state, config = export_state_dict(opts.checkpoint, opts.config, opts.merge_lora)
     count = sum(v.numel() for v in state.values())
     if fmt == "onnx":
         from .onnx_export import export_onnx_folder

@@ -248,11 +248,13 @@ def download_from_hub(repo: str, filename: str, revision: str | None = None,
 
 def load_weights(pretrained: str | os.PathLike, model_name: str | None = None, *,
                  revision: str | None = None, cache_dir: str | os.PathLike | None = None,
-                 map_location: str | torch.device | None = None) -> StateDict:
-    """The state dict of what a user typed (file, tag or hf-hub name), read safely."""
+                 map_location: str | torch.device | None = None,
+                 merge_lora: bool = True) -> StateDict:
+    """The state dict of what a user typed (file, tag or hf-hub name), read safely (a LoRA
+    checkpoint merged, unless ``merge_lora`` is False: then it is an error)."""
     weights = resolve_pretrained(pretrained, model_name, revision=revision, cache_dir=cache_dir)
-    return StateDict(read_state_dict(weights.path, map_location=map_location), weights.label,
-                     weights.config)
+    return StateDict(read_state_dict(weights.path, map_location=map_location,
+                                     merge_lora=merge_lora), weights.label, weights.config)
 
 
 def load_config_input_size(model_name: str) -> int:

@@ -119,6 +119,14 @@ COMMANDS: dict[str, str] = {
         "run",
     "python -m rwkv_clip.memory --config RWKV_CLIP_B32 --batch-size 16 --precision fp32 "
     "--device cpu --measure": "help",
+    # docs/lora.md: a fine-tune of a trained run (tests/test_lora.py runs the same steps on
+    # the tiny config); the planner's B/32 table
+    "python train.py --pretrained runs/default/checkpoints/epoch_latest.pt --lora-rank 16 "
+    "--lr 1e-3 --output runs/lora": "help",
+    "python zero_shot.py --model-weight runs/lora/checkpoints/epoch_latest.pt": "help",
+    "python -m rwkv_clip.export runs/lora/checkpoints/epoch_latest.pt lora_merged.pt "
+    "--merge-lora": "help",
+    "python -m rwkv_clip.memory --config RWKV_CLIP_B32 --precision bf16 --lora-rank 16": "help",
     # docs/own-data.md: the worked example, CPU-sized
     "python scripts/make_rec.py my_pairs/pairs.jsonl data/train": "page",
     "python train.py --train-data data/train --zero-shot-data my_images --output runs/mine "

@@ -20,8 +20,22 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..errors import TrainArgsError, run_cli
+from ..lora import BASE_PRECISIONS, DEFAULT_TARGETS, parse_targets
 from ..precision import canonical_precision
-from .estimate import CARD_RESERVE_GIB, CARD_USABLE_FRACTION, GiB, MiB, estimate
+from .estimate import (
+    CARD_RESERVE_GIB,
+    CARD_USABLE_FRACTION,
+    CARDS,
+    GiB,
+    MiB,
+    card_capacity,
+    estimate,
+    max_batch,
+)
+from .finetune import FineTune
+from .walk import parameter_table
+
+COMPARED_RANK = 16  # the LoRA rank of the comparison table without --lora-rank
 
 PROG = "python -m rwkv_clip.memory"
 
@@ -58,7 +72,33 @@ def build_planner_parser() -> argparse.ArgumentParser:
                     help="device for --measure and the estimate's autocast rules")
     ap.add_argument("--wkv-backend", default=None, help="force a WKV backend for --measure")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    g = ap.add_argument_group("fine-tuning (train.py's flags; default: every parameter trains)")
+    g.add_argument("--lock-image", action="store_true", help="the image tower frozen")
+    g.add_argument("--lock-text", action="store_true", help="the text tower frozen")
+    g.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help="LoRA adapters of rank R, every other weight frozen (0: off)")
+    g.add_argument("--lora-targets", default=",".join(DEFAULT_TARGETS), metavar="NAMES",
+                   help="the adapted linear layers, as train.py's --lora-targets")
+    g.add_argument("--lora-base-precision", choices=BASE_PRECISIONS, default="fp32",
+                   help="storage of the frozen base matrices")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters")
     return ap
+
+
+def finetune_of(ns: argparse.Namespace) -> FineTune | None:
+    """The fine-tuning mode the flags ask for (None: full training)."""
+    ft = FineTune(ns.lock_image, ns.lock_text, ns.lora_rank, parse_targets(ns.lora_targets),
+                  ns.lora_base_precision, ns.lora_dropout)
+    return None if ft.label == "full" else ft
+
+
+def comparison_modes(ns: argparse.Namespace) -> list[FineTune]:
+    """Full, each tower locked, LoRA (rank --lora-rank, else 16) on an fp32 and a bf16 base."""
+    rank = ns.lora_rank or COMPARED_RANK
+    targets = parse_targets(ns.lora_targets)
+    return [FineTune(), FineTune(lock_image=True), FineTune(lock_text=True),
+            FineTune(lora_rank=rank, lora_targets=targets),
+            FineTune(lora_rank=rank, lora_targets=targets, lora_base_precision="bf16")]
 
 
 def _check(ns: argparse.Namespace) -> None:
@@ -66,6 +106,11 @@ def _check(ns: argparse.Namespace) -> None:
                         ("--gpus", ns.gpus), ("--inference-batch", ns.inference_batch)):
         if value is not None and value < 1:
             raise TrainArgsError(f"{flag} must be >= 1, got {value}")
+    if ns.lora_rank < 0:
+        raise TrainArgsError(f"--lora-rank must be >= 0 (0: off), got {ns.lora_rank}")
+    if ns.lock_image and ns.lock_text:
+        raise TrainArgsError("--lock-image and --lock-text together leave only logit_scale "
+                             "to train; unlock one tower")
     if ns.measure and (ns.gradient_acc != 1 or ns.gpus != 1):
         raise TrainArgsError("--measure runs one single-process step: it needs "
                              "--gradient-acc 1 and --gpus 1")
@@ -89,14 +134,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the autocast rules of a GPU (what the planner is for) unless told otherwise
         device = ns.device or "cuda"
     inf_batch = ns.inference_batch if ns.inference_batch is not None else ns.batch_size
+    ft = finetune_of(ns)
     # the estimate's batch is what one GPU sees per optimizer step (K micro-batches)
     est = estimate(args, ns.batch_size * ns.gradient_acc, precision, ns.checkpointing,
-                   ns.gradient_acc, ns.gpus, device, Path(config).name, inf_batch)
-    out: dict[str, Any] = {"estimate": asdict(est)}
+                   ns.gradient_acc, ns.gpus, device, Path(config).name, inf_batch, finetune=ft)
+    by_mode = {m.label: max_batch_per_card(args, precision, ns.checkpointing, ns.gradient_acc,
+                                           ns.gpus, m)
+               for m in comparison_modes(ns)}
+    out: dict[str, Any] = {"estimate": asdict(est), "finetune": ft.label if ft else "full",
+                           "max_batch_by_mode": by_mode}
     if ns.measure:
         from .measure import measure
         m = measure(config, ns.batch_size if ns.mode == "train" else inf_batch, precision,
-                    ns.checkpointing, device, ns.mode, ns.wkv_backend)
+                    ns.checkpointing, device, ns.mode, ns.wkv_backend, finetune=ft)
         est_b = est.training_peak_bytes if ns.mode == "train" else est.inference_peak_bytes
         m["estimated_peak_bytes"] = est_b
         m["mode"] = ns.mode
@@ -105,15 +155,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.json:
         print(json.dumps(out))
         return 0
-    _print_report(est, device, out.get("measured"))
+    _print_report(est, device, out.get("measured"), out["finetune"])
+    _print_modes(by_mode, precision, ns.checkpointing)
     return 0
 
 
-def _print_report(e: Any, device: str, m: dict | None) -> None:
+def max_batch_per_card(args: Any, precision: str, checkpointing: bool, gradient_acc: int,
+                       gpus: int, ft: FineTune) -> dict[str, int]:
+    table = parameter_table(args, ft)
+    return {card: max_batch(args, card_capacity(gib), precision, checkpointing, gradient_acc,
+                            gpus, "cuda", params=table) for card, gib in CARDS.items()}
+
+
+def _print_modes(by_mode: dict[str, dict[str, int]], precision: str,
+                 checkpointing: bool) -> None:
+    labels = list(by_mode)
+    print(f"largest per-GPU training batch by way of fine-tuning ({precision}, checkpointing "
+          f"{'on' if checkpointing else 'off'}):")
+    width = max(len(label) for label in labels) + 2
+    print(f"  {'':<12}" + "".join(f"{label:>{width}}" for label in labels))
+    for card in next(iter(by_mode.values())):
+        print(f"  {card:<12}" + "".join(f"{by_mode[label][card]:>{width}}" for label in labels))
+
+
+def _print_report(e: Any, device: str, m: dict | None, finetune: str = "full") -> None:
     print(f"{e.config}: --batch-size {e.micro_batch} (micro-batch per GPU) x --gradient-acc "
           f"{e.gradient_acc} x {e.gpus} GPU(s) = {e.batch_size * e.gpus} pairs per optimizer "
           f"step, {e.precision}, checkpointing {'on' if e.checkpointing else 'off'}, "
-          f"autocast rules of {device}")
+          f"autocast rules of {device}, {finetune} fine-tune")
     print(f"  parameters        {e.parameters:,}")
     print("training (steady state):")
     for label, b in (("parameters", e.parameter_bytes), ("gradients", e.gradient_bytes),

@@ -84,8 +84,8 @@ def training_peak(args: Any, batch: int, precision: str, checkpointing: bool = F
     amp = amp_dtype(precision)
     table = parameter_table(args) if params is None else params
     pbytes = table.nbytes()
-    grad_b = pbytes
-    opt_b = 2 * pbytes
+    grad_b = table.trainable_nbytes()  # all of them unless a fine-tune froze some
+    opt_b = 2 * grad_b
     ddp_b = grad_b if gpus > 1 else 0
     micro = max(1, batch // max(1, gradient_acc))
     plan = activation_segments(args, micro, amp, device, gpus, local_loss, loss_batch=batch,
@@ -170,11 +170,12 @@ def max_batch(args: Any, capacity: int, precision: str, checkpointing: bool,
 def estimate(args: Any, batch: int, precision: str, checkpointing: bool = False,
              gradient_acc: int = 1, gpus: int = 1, device: str = "cuda",
              config_name: str = "", inference_batch: int | None = None,
-             cards: bool = True) -> Estimate:
+             cards: bool = True, finetune: Any = None) -> Estimate:
     """Training and inference peaks for one setting, and (``cards``) the largest batch per
-    card of :data:`CARDS` (CUDA autocast rules)."""
+    card of :data:`CARDS` (CUDA autocast rules). ``finetune``: a
+    :class:`.finetune.FineTune` (None: every parameter trains)."""
     precision = canonical_precision(precision)
-    table = parameter_table(args)  # one meta-device build for every figure below
+    table = parameter_table(args, finetune)  # one meta-device build for every figure below
     tr = training_peak(args, batch, precision, checkpointing, gradient_acc, gpus, device,
                        params=table)
     ib = batch if inference_batch is None else inference_batch

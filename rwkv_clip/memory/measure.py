@@ -148,14 +148,15 @@ class PeakRSS:
             self.peak = max(self.peak, rss_kib())
 
 
-def _warm_up_cpu(wkv_backend: str | None) -> None:
-    """Touch the code paths (libraries, kernels, thread pools) with a throwaway tiny
-    model, so the measured RSS growth is tensors rather than code pages."""
+def _warm_up_cpu(wkv_backend: str | None, finetune: dict | None = None) -> None:
+    """Touch the code paths (libraries, kernels, thread pools; peft's LoRA layers) with a
+    throwaway tiny model, so the measured RSS growth is tensors rather than code pages."""
     from ..config import config_dir
     tiny = config_dir() / "RWKV_CLIP_tiny.json"
     if not tiny.is_file():
         return
     args, model = build_measured_model(str(tiny), "cpu", False, wkv_backend)
+    apply_finetune(model, finetune)
     step = make_step(model, "fp32", "cpu")
     images, tokens = synthetic_batch(args, 2, "cpu")
     for _ in range(2):
@@ -177,6 +178,7 @@ class MeasureSpec:
     device: str
     mode: str = "train"  # "train" (one warm step, then the measured one) or "inference"
     wkv_backend: str | None = None
+    finetune: dict | None = None  # a .finetune.FineTune as a dict (None: full training)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -184,6 +186,24 @@ class MeasureSpec:
     @classmethod
     def from_json(cls, text: str) -> MeasureSpec:
         return cls(**json.loads(text))
+
+
+def apply_finetune(model: torch.nn.Module, finetune: dict | None) -> None:
+    """Lock towers / add LoRA adapters as ``train.py`` does (:mod:`rwkv_clip.lora`)."""
+    if not finetune:
+        return
+    from ..lora import LoraSettings, add_adapters
+    from .finetune import FineTune
+    ft = FineTune(**{**finetune, "lora_targets": tuple(finetune.get("lora_targets", ()))
+                     or FineTune.lora_targets})
+    if ft.lora_rank:
+        add_adapters(model, LoraSettings(ft.lora_rank, 2.0 * ft.lora_rank, ft.lora_dropout,
+                                         ft.lora_targets, ft.lora_base_precision),
+                     ft.towers())
+        return
+    for tower, locked in (("image_model", ft.lock_image), ("text_model", ft.lock_text)):
+        if locked:
+            getattr(model, tower).requires_grad_(False)
 
 
 def run_measurement(spec: MeasureSpec) -> dict:
@@ -196,12 +216,13 @@ def run_measurement(spec: MeasureSpec) -> dict:
     args = load_model_configs(spec.config)  # a bad config fails before the warm-up
     dev = torch.device(spec.device)
     if dev.type == "cpu":
-        _warm_up_cpu(spec.wkv_backend)
+        _warm_up_cpu(spec.wkv_backend, spec.finetune)
         base_kib = rss_kib()
     else:
         torch.cuda.init()
         base = torch.cuda.memory_allocated(dev)
     args, model = build_measured_model(args, dev, spec.checkpointing, spec.wkv_backend)
+    apply_finetune(model, spec.finetune)
     images, tokens = synthetic_batch(args, spec.batch, dev)
     t0 = time.perf_counter()
     if spec.mode == "train":
@@ -263,11 +284,13 @@ def worker_env() -> dict[str, str]:
 
 def measure(config: str, batch: int, precision: str, checkpointing: bool, device: str,
             mode: str = "train", wkv_backend: str | None = None,
-            timeout: float = 1800) -> dict:
+            timeout: float = 1800, finetune: Any = None) -> dict:
     """Run :func:`run_measurement` in a fresh subprocess (protocol in the module
-    docstring); returns its dict."""
+    docstring); returns its dict. ``finetune``: a :class:`.finetune.FineTune`."""
+    ft = None if finetune is None else {**asdict(finetune),
+                                        "lora_targets": list(finetune.lora_targets)}
     spec = MeasureSpec(str(config), batch, precision, checkpointing, device, mode,
-                       wkv_backend)
+                       wkv_backend, ft)
     with tempfile.TemporaryDirectory(prefix="rwkv_clip_measure_") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(spec.to_json())

@@ -23,7 +23,7 @@ from ..config import ModelArgs
 from ..errors import ConfigError
 from ..layers.time_mix import TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM
 
-_SIZES = {"fp32": 4, "bf16": 2, "fp16": 2, "i64": 8}
+_SIZES = {"fp32": 4, "bf16": 2, "fp16": 2, "i64": 8, "bool": 1}
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Ops that CUDA autocast runs in fp32 (torch's autocast fp32 lists); CPU autocast only
 # forces the loss to fp32 (layer_norm/group_norm/pow stay in the input dtype there).
@@ -49,8 +49,11 @@ def _patch_grid(input_size: int, patch_size: int) -> int:
 # ----------------------------------------------------------------------------- parameters
 @dataclass
 class ParamTable:
-    """Every parameter of the model as (name, numel, dtype name)."""
+    """Every parameter of the model as (name, numel, dtype name); ``frozen``: the names
+    that get no gradient and ``finetune`` the mode that froze them (:mod:`.finetune`)."""
     items: list[tuple[str, int, str]] = field(default_factory=list)
+    frozen: frozenset[str] = frozenset()
+    finetune: Any = None
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> ParamTable:
@@ -66,6 +69,15 @@ class ParamTable:
     def largest_bytes(self) -> int:
         return max(n * _SIZES[d] for _, n, d in self.items)
 
+    def trainable_nbytes(self, prefix: str | tuple[str, ...] = "") -> int:
+        """Bytes of the parameters that train (their gradients and AdamW moments)."""
+        return sum(n * _SIZES[d] for name, n, d in self.items
+                   if name.startswith(prefix) and name not in self.frozen)
+
+    def largest_trainable_bytes(self) -> int:
+        return max((n * _SIZES[d] for name, n, d in self.items if name not in self.frozen),
+                   default=0)
+
     def dtype(self, name: str) -> str:
         for item, _, d in self.items:
             if item == name:
@@ -73,14 +85,18 @@ class ParamTable:
         raise KeyError(name)
 
 
-def parameter_table(args: Any) -> ParamTable:
+def parameter_table(args: Any, finetune: Any = None) -> ParamTable:
     """The parameters of ``create_RWKV_Model(args)``, read from the model built on the meta
-    device (shapes and dtypes only: nothing is allocated, the WKV op is not called)."""
+    device (shapes and dtypes only: nothing is allocated, the WKV op is not called); with
+    ``finetune`` (:class:`.finetune.FineTune`) its frozen names, adapters and dtypes."""
     from ..factory import build_model
     if isinstance(args, dict):
         args = ModelArgs.from_dict(args, source="memory planner config")
     with torch.device("meta"):
         model = build_model(args)
+    if finetune is not None:
+        from .finetune import finetune_table
+        return finetune_table(model, finetune)
     return ParamTable.from_model(model)
 
 
@@ -89,11 +105,12 @@ class Sym:
     """A symbolic tensor: element count and dtype. Identity = Python identity; a view
     (``base`` set) is saved as its base's storage, counted once however many views of it
     are saved."""
-    __slots__ = ("n", "dtype", "param", "base", "__weakref__")
+    __slots__ = ("n", "dtype", "param", "base", "rg", "__weakref__")
 
     def __init__(self, n: int, dtype: str, param: bool = False,
-                 base: Sym | None = None) -> None:
+                 base: Sym | None = None, rg: bool = True) -> None:
         self.n, self.dtype, self.param, self.base = int(n), dtype, param, base
+        self.rg = rg  # requires grad (False: a frozen parameter or what only they made)
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +118,8 @@ class Sym:
 
     def split(self, parts: int) -> list[Sym]:
         """``unbind(0)`` of a stacked tensor: ``parts`` views sharing this storage."""
-        return [Sym(self.n // parts, self.dtype, self.param, self) for _ in range(parts)]
+        return [Sym(self.n // parts, self.dtype, self.param, self, self.rg)
+                for _ in range(parts)]
 
 
 class Walker:
@@ -115,10 +133,24 @@ class Walker:
         self.saved: dict[int, Sym] = {}
         self.weight_cast_bytes = 0  # low-precision copies of weights (autocast cache)
         self._casts_taken = 0
+        # fine-tuning (rwkv_clip.memory.finetune): whether the parameters being walked
+        # train, the dtype of frozen base matrices, and the LoRA-adapted linears
+        self.train_params = True
+        self.base_dtype: str | None = None
+        self.adapted: dict[str, int] = {}   # module name -> rank
+        self.lora_dropout = 0.0
+        self.prefix = ""                    # module-name prefix of the block being walked
 
     # bookkeeping
-    def new(self, n: int, dtype: str) -> Sym:
-        return Sym(n, dtype)
+    def new(self, n: int, dtype: str, rg: bool = True) -> Sym:
+        return Sym(n, dtype, rg=rg)
+
+    def param(self, numel: int, dtype: str = "fp32", matrix: bool = False) -> Sym:
+        """A parameter of the part being walked (``matrix``: a linear/embedding/conv
+        weight, stored in ``base_dtype`` when frozen in a LoRA fine-tune)."""
+        if matrix and self.base_dtype is not None and not self.train_params:
+            dtype = self.base_dtype
+        return Sym(numel, dtype, param=True, rg=self.train_params)
 
     def save(self, *tensors: Sym) -> None:
         for t in tensors:
@@ -142,13 +174,15 @@ class Walker:
     def _lowp_in(self, x: Sym) -> Sym:
         if self.amp is None or x.dtype == self.amp:
             return x
-        if x.param:
+        if x.param and x.rg:
             # autocast caches one low-precision copy per weight for the autocast region;
             # counted in weight_cast_bytes (kept apart from `saved`: under checkpointing
             # the cache, not the graph, keeps them alive). Each weight feeds one matmul.
             self.weight_cast_bytes += x.n * _SIZES[self.amp]
             return Sym(x.n, self.amp, param=True)
-        return Sym(x.n, self.amp)
+        # an activation, or a frozen weight (autocast caches only weights that need grad:
+        # a fresh copy per use, which the graph saves like an activation)
+        return Sym(x.n, self.amp, rg=x.rg)
 
     def glue(self, x: Sym) -> Sym:
         """``x.to(glue_dtype(x))`` (rwkv_clip.layers.time_mix.glue_dtype): under autocast a
@@ -156,11 +190,11 @@ class Walker:
         cache); without, x itself. The cast saves nothing."""
         if self.amp is None or x.dtype == self.amp:
             return x
-        return Sym(x.n, self.amp)
+        return Sym(x.n, self.amp, rg=x.rg)
 
     def _fp32_in(self, op: str, x: Sym) -> Sym:
         if self.amp is not None and op in _FP32_OPS[self.device] and x.dtype != "fp32":
-            return Sym(x.n, "fp32")
+            return Sym(x.n, "fp32", rg=x.rg)
         return x
 
     def _out_dtype_fp32_op(self, op: str, x: Sym) -> str:
@@ -169,47 +203,79 @@ class Walker:
         return x.dtype
 
     # ops (saved tensors follow torch's derivatives.yaml)
-    def matmul(self, x: Sym, w: Sym, n_in: int, n_out: int) -> Sym:
-        """linear / x @ W / bmm / conv as a matmul: saves input and weight."""
+    def matmul(self, x: Sym, w: Sym, n_in: int, n_out: int, lora: str | None = None) -> Sym:
+        """linear / x @ W / bmm / conv as a matmul: saves the input when the weight needs
+        a gradient and the weight when the input does. ``lora``: the linear's name in
+        its block, adapted when :attr:`adapted` lists it."""
         xi, wi = self._lowp_in(x), self._lowp_in(w)
-        self.save(xi, wi)
-        return self.new(x.n // n_in * n_out, self.amp or _promote(x.dtype, w.dtype))
+        if wi.rg:
+            self.save(xi)
+        if xi.rg:
+            self.save(wi)
+        out = self.new(x.n // n_in * n_out, self.amp or _promote(x.dtype, w.dtype),
+                       x.rg or w.rg)
+        rank = self.adapted.get(self.prefix + lora) if lora else None
+        if rank:
+            out = self._adapter(x, n_in, n_out, rank, out)
+        return out
+
+    def _adapter(self, x: Sym, n_in: int, n_out: int, rank: int, out: Sym) -> Sym:
+        """peft's LoRA branch ``out + lora_B(lora_A(dropout(x))) * scaling`` (fp32
+        adapters; a product with a Python number saves nothing)."""
+        if self.lora_dropout > 0:  # the mask: bool on CUDA (native_dropout), else x * noise
+            self.save(Sym(x.n, "bool" if self.device == "cuda" else x.dtype))
+            x = self.new(x.n, x.dtype, x.rg)
+        a = Sym(n_in * rank, "fp32", param=True)
+        b = Sym(rank * n_out, "fp32", param=True)
+        u = self.matmul(x, a, n_in, rank)
+        self.matmul(u, b, rank, n_out)
+        return self.new(out.n, out.dtype)
 
     def lerp(self, start: Sym, end: Sym, weight: Sym, stacked: int = 1) -> Sym:
-        """torch.lerp(start, end, weight), all three requiring grad: saves all three
-        (d/dstart = 1 - weight, d/dend = weight, d/dweight = end - start). ``stacked``: a
-        weight with a leading (stacked, 1, ...) dimension broadcasts start/end (B, T, C)
-        into that many lerps in one (stacked, B, T, C) result."""
-        self.save(start, end, weight)
+        """:func:`rwkv_clip.layers.lerp.lerp`: saves all three whenever one needs a
+        gradient. ``stacked``: a weight with a leading (stacked, 1, ...) dimension
+        broadcasts start/end (B, T, C) into that many lerps in one (stacked, B, T, C)
+        result."""
+        if start.rg or end.rg or weight.rg:
+            self.save(start, end, weight)
         return self.new(stacked * max(start.n, end.n),
-                        _promote(_promote(start.dtype, end.dtype), weight.dtype))
+                        _promote(_promote(start.dtype, end.dtype), weight.dtype),
+                        start.rg or end.rg or weight.rg)
 
     def add(self, a: Sym, b: Sym) -> Sym:  # add/sub save nothing
-        return self.new(max(a.n, b.n), _promote(a.dtype, b.dtype))
+        return self.new(max(a.n, b.n), _promote(a.dtype, b.dtype), a.rg or b.rg)
 
-    def mul(self, a: Sym, b: Sym) -> Sym:  # both require grad: both saved
-        self.save(a, b)
-        return self.new(max(a.n, b.n), _promote(a.dtype, b.dtype))
+    def mul(self, a: Sym, b: Sym) -> Sym:  # each saved for the other's gradient
+        if b.rg:
+            self.save(a)
+        if a.rg:
+            self.save(b)
+        return self.new(max(a.n, b.n), _promote(a.dtype, b.dtype), a.rg or b.rg)
 
     def unary_saves_result(self, x: Sym) -> Sym:  # tanh, sigmoid, relu
-        out = self.new(x.n, x.dtype)
-        self.save(out)
+        out = self.new(x.n, x.dtype, x.rg)
+        if x.rg:
+            self.save(out)
         return out
 
     def silu(self, x: Sym) -> Sym:  # saves its input
-        self.save(x)
-        return self.new(x.n, x.dtype)
+        if x.rg:
+            self.save(x)
+        return self.new(x.n, x.dtype, x.rg)
 
     def pow2(self, x: Sym) -> Sym:  # torch.square / ** 2: pow saves self
         xi = self._fp32_in("pow", x)
-        self.save(xi)
-        return self.new(x.n, self._out_dtype_fp32_op("pow", x))
+        if x.rg:
+            self.save(xi)
+        return self.new(x.n, self._out_dtype_fp32_op("pow", x), x.rg)
 
     def norm_layer(self, op: str, x: Sym, rows: int) -> Sym:
         """layer_norm / group_norm: saves input, mean and rstd (fp32 per row/group)."""
         xi = self._fp32_in(op, x)
-        self.save(xi, Sym(2 * rows, "fp32"))
-        return self.new(x.n, self._out_dtype_fp32_op(op, x))
+        rg = x.rg or self.train_params
+        if rg:
+            self.save(xi, Sym(2 * rows, "fp32"))
+        return self.new(x.n, self._out_dtype_fp32_op(op, x), rg)
 
 
 @dataclass
@@ -239,29 +305,32 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     returns (output, backward workspace, inference peak)."""
     n = a.n
     na = n // C * A
-    P = lambda numel, dt="fp32": Sym(numel, dt, param=True)
+    P = lambda numel, dt="fp32", matrix=False: w.param(numel, dt, matrix)
     x = w.glue(a)                                        # the glue's dtype (autocast's)
-    sh = w.new(n, x.dtype)                               # token shift: one copy
-    mix_input = w.lerp(x, sh, w.glue(P(C)))                    # lerp(x, shift(x), time_maa_x)
+    sh = w.new(n, x.dtype, x.rg)                         # token shift: one copy
+    mix_input = w.lerp(x, sh, w.glue(P(C)))              # lerp(x, shift(x), time_maa_x)
     m1 = w.matmul(mix_input, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
     t1 = w.unary_saves_result(m1)                        # tanh
     mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm: (5,B,T,C)
-    maa = w.glue(Sym(5 * C, "fp32"))                     # cat of time_maa_w/k/v/r/g
+    maa = w.glue(P(5 * C))                               # cat of time_maa_w/k/v/r/g
     mixed = w.lerp(x, sh, w.add(mm, maa), stacked=5)     # one (5, B, T, C) lerp
     xw, xk, xv, xr, xg = mixed.split(5)                  # unbind: views of one storage
-    r = w.matmul(xr, P(C * A), C, A)
-    k = w.matmul(xk, P(C * A), C, A)
-    v = w.matmul(xv, P(C * A), C, A)
-    g = w.silu(w.matmul(xg, P(C * A), C, A))
+    r = w.matmul(xr, P(C * A, matrix=True), C, A, lora="att.receptance")
+    k = w.matmul(xk, P(C * A, matrix=True), C, A, lora="att.key")
+    v = w.matmul(xv, P(C * A, matrix=True), C, A, lora="att.value")
+    g = w.silu(w.matmul(xg, P(C * A, matrix=True), C, A, lora="att.gate"))
     d1 = w.matmul(xw, P(C * TIME_DECAY_EXTRA_DIM), C, TIME_DECAY_EXTRA_DIM)
     d2 = w.matmul(w.unary_saves_result(d1), P(TIME_DECAY_EXTRA_DIM * A),
                   TIME_DECAY_EXTRA_DIM, A)
     decay = w.add(P(A, decay_dtype), d2)
     # WKV: the native kernels save r, k, v, w as given (bf16/fp16/fp32 read directly)
-    w.save(r, k, v, decay)
-    y = w.new(na, "fp32")
+    wkv_rg = r.rg or k.rg or v.rg or decay.rg
+    if wkv_rg:
+        w.save(r, k, v, decay)
+    y = w.new(na, "fp32", wkv_rg)
     yn = w.norm_layer("group_norm", y, (na // A) * H)  # mean/rstd per (row, head)
-    out = w.matmul(w.mul(w.glue(yn), g), P(A * C), A, C)  # y.to(g.dtype) * g
+    out = w.matmul(w.mul(w.glue(yn), g), P(A * C, matrix=True), A, C,  # y.to(g.dtype) * g
+                   lora="att.output")
     b = _SIZES
     # backward working set: the stacked lerp's output gradient (the five matmul input
     # gradients stacked by unbind's backward), its weight gradient and one (5,B,T,C)
@@ -282,15 +351,15 @@ def _channel_mix(w: Walker, bx: Sym, C: int, Fh: int, image: bool) -> tuple[Sym,
     lerp(shift(x), x, spatial_mix_*); text: lerp(x, shift(x), time_maa_*), same saves)."""
     n = bx.n
     nf = n // C * Fh
-    P = lambda numel: Sym(numel, "fp32", param=True)
+    P = lambda numel: w.param(numel, matrix=True)
     x = w.glue(bx)
-    sh = w.new(n, x.dtype)
-    mix = w.glue(Sym(2 * C, "fp32"))                   # cat of the two mix parameters
+    sh = w.new(n, x.dtype, x.rg)
+    mix = w.glue(w.param(2 * C))                       # cat of the two mix parameters
     xk, xr = (w.lerp(sh, x, mix, 2) if image else w.lerp(x, sh, mix, 2)).split(2)
-    kk = w.unary_saves_result(w.matmul(xk, P(C * Fh), C, Fh))   # relu
+    kk = w.unary_saves_result(w.matmul(xk, P(C * Fh), C, Fh, lora="ffn.key"))   # relu
     k2 = w.pow2(kk)
-    val = w.matmul(k2, P(Fh * C), Fh, C)
-    rr = w.unary_saves_result(w.matmul(xr, P(C * C), C, C))    # sigmoid
+    val = w.matmul(k2, P(Fh * C), Fh, C, lora="ffn.value")
+    rr = w.unary_saves_result(w.matmul(xr, P(C * C), C, C, lora="ffn.receptance"))  # sigmoid
     out = w.mul(rr, val)
     b = _SIZES
     # backward: the square's gradient, then relu_square's two passes (one hidden-sized
@@ -319,7 +388,8 @@ def _block(w: Walker, x: Sym, C: int, A: int, H: int, Fh: int, first: bool, imag
     # backward runs the channel mix first; by the time mix's backward, the channel mix's
     # saved tensors are freed, so its working set counts above what is left
     cmix_saved = sum(t.nbytes for key, t in w.saved.items() if key not in held)
-    return x2, max(ws2, ws1 - cmix_saved), inf0 + max(inf1, inf2 + x1.n * _SIZES[x1.dtype])
+    ws = max(ws2, ws1 - cmix_saved) if x2.rg else 0  # a frozen block has no backward
+    return x2, ws, inf0 + max(inf1, inf2 + x1.n * _SIZES[x1.dtype])
 
 
 def _append(w: Walker, segs: list[Segment], seg: Segment) -> None:
@@ -350,7 +420,7 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
             raise ConfigError(f"memory planner: text option {bad}={_cfg(args, bad)} is not "
                               "modelled (expected 0)")
     params = parameter_table(args) if params is None else params
-    grads = params.nbytes
+    grads = params.trainable_nbytes
     amp_grad = amp or "fp32"
     segs: list[Segment] = []
     C = _cfg(args, "image_embed_dims")
@@ -361,22 +431,31 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
     grid = _patch_grid(S, p)
     T = grid * grid + (1 if _cfg(args, "image_with_cls_token", False) else 0)
     B = batch
-    img = Sym(B * 3 * S * S, "fp32")                       # input: no grad, saved by conv
+    img = Sym(B * 3 * S * S, "fp32", rg=False)            # input: no grad, saved by conv
     w = Walker(amp, device)
-    conv = w.matmul(img, Sym(C * 3 * p * p, "fp32", param=True), 3 * p * p, C)
+    ft = params.finetune
+    if ft is not None:
+        from .finetune import configure_walker
+        configure_walker(w, ft, params)
+    tower = lambda name: ft.set_tower(w, name) if ft is not None else None
+    tower("image_model")
+    conv = w.matmul(img, w.param(C * 3 * p * p, matrix=True), 3 * p * p, C)
     w.saved.pop(id(img), None)                            # the input itself is not an activation
-    x = w.add(Sym(B * T * C, conv.dtype), Sym(T * C, "fp32", param=True))  # + pos_embed
-    _append(w, segs, Segment("image.embed", w.take_saved(), grads(IMAGE_EMBED), x.n * 4 * 2,
+    x = w.add(conv, w.param(T * C))                       # + pos_embed
+    _append(w, segs, Segment("image.embed", w.take_saved(), grads(IMAGE_EMBED),
+                             x.n * 4 * 2 if w.train_params else 0,
                              inference_peak=img.nbytes + 2 * x.n * 4))
     image_decay = params.dtype(IMAGE_BLOCK.format(0) + "att.time_decay")
     for i in range(D):
         xin = x
+        w.prefix = IMAGE_BLOCK.format(i)
         x, ws, inf = _block(w, x, C, C, _cfg(args, "image_num_heads"), Fh, i == 0, True,
                             image_decay, amp_grad)
         _append(w, segs, Segment(f"image.block{i}", w.take_saved(), grads(IMAGE_BLOCK.format(i)),
                                  ws, ckpt_input=xin.nbytes, inference_peak=inf))
-    w.norm_layer("layer_norm", x, B * T)                  # final ln1, then mean (saves nothing)
-    _append(w, segs, Segment("image.head", w.take_saved(), grads(IMAGE_HEAD), 2 * x.n * 4,
+    x = w.norm_layer("layer_norm", x, B * T)              # final ln1, then mean (saves nothing)
+    _append(w, segs, Segment("image.head", w.take_saved(), grads(IMAGE_HEAD),
+                             2 * x.n * 4 if x.rg else 0,
                              ckpt_input=0, inference_peak=2 * x.n * 4))
 
     E = _cfg(args, "n_embd")
@@ -387,20 +466,26 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
     tok = Sym(B * Tt, "i64")
     w.save(tok)  # embedding saves its indices (the input tensor: counted as input below)
     w.saved.pop(id(tok))
-    x = Sym(B * Tt * E, "fp32")                            # embedding output (param dtype)
+    tower("text_model")
+    x = Sym(B * Tt * E, params.dtype(TEXT_EMBED + ".weight"),  # embedding output
+            rg=w.train_params)
     V = _cfg(args, "vocab_size")
     _append(w, segs, Segment("text.emb", w.take_saved(), grads(TEXT_EMBED),
-                             V * E * 4 + x.n * 4, inference_peak=x.nbytes))
+                             V * E * 4 + x.n * 4 if w.train_params else 0,
+                             inference_peak=x.nbytes))
     text_decay = params.dtype(TEXT_BLOCK.format(0) + "att.time_decay")
     for i in range(L):
         xin = x
+        w.prefix = TEXT_BLOCK.format(i)
         x, ws, inf = _block(w, x, E, A, A // _cfg(args, "head_size"), Fx, i == 0, False,
                             text_decay, amp_grad)
         _append(w, segs, Segment(f"text.block{i}", w.take_saved(), grads(TEXT_BLOCK.format(i)),
                                  ws, ckpt_input=xin.nbytes, inference_peak=inf))
     t = w.norm_layer("layer_norm", x, B * Tt)             # ln_out
-    w.save(t, Sym(B * Tt, "fp32"))                        # F.normalize: norm saves t, result
-    _append(w, segs, Segment("text.head", w.take_saved(), grads(TEXT_HEAD), 3 * t.n * 4,
+    if t.rg:
+        w.save(t, Sym(B * Tt, "fp32"))                    # F.normalize: norm saves t, result
+    _append(w, segs, Segment("text.head", w.take_saved(), grads(TEXT_HEAD),
+                             3 * t.n * 4 if t.rg else 0,
                              inference_peak=3 * t.n * 4))
     # ClipLoss over the gathered batch, in fp32 (the loop casts the features to float):
     # logit matmul(s) + two log_softmax results

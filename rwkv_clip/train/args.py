@@ -27,6 +27,7 @@ from ..config import (
 )
 from ..errors import EXIT_USER_ERROR, CheckpointError, ConfigError, TrainArgsError, report
 from ..faults import DEFAULT_DIST_TIMEOUT
+from ..lora import add_lora_flags, check_lora_args
 from ..precision import PRECISIONS
 from ..pretrained import published_config
 from .tracking import add_tracking_flags, resolve_tracking
@@ -228,6 +229,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     _bool_flag(g, "--tensorboard", True, "write TensorBoard scalars to OUTPUT/tensorboard "
                                          "(False: drop tensorboard from --report-to)")
     _bool_flag(g, "--progress", True, "tqdm progress bar on rank 0")
+    add_lora_flags(p)
     add_run_safety_flags(p)
     add_loss_flags(p)
     add_validation_flags(p)
@@ -293,6 +295,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         setattr(args, k, v)
     args.workers = model.workers
     args.open_checkpoint = model.with_cp
+    check_lora_args(args)
 
     if args.data_format is None:
         if args.train_data is None:

@@ -49,6 +49,7 @@ from ..errors import (
     run_cli,
 )
 from ..factory import build_model
+from ..lora import LoraSettings, add_adapters, parameter_counts
 from ..loss import ClipLoss, SigLipLoss
 from ..model import get_model
 from ..ops import prepare_wkv_kernel
@@ -365,10 +366,12 @@ def build_train_model(args, info: DistInfo, log) -> get_model:
         log.info(f"initial weights from {args.pretrained}")
     fit_logit_bias(model, args, log)
     lock_towers(model, args, log)
+    add_lora_adapters(model, args, log)
     model.set_grad_checkpointing(bool(args.open_checkpoint))
     model.to(info.device).train()
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info(f"RWKV-CLIP: {n_params:,} parameters, precision {args.precision}, "
+    trainable, n_params = parameter_counts(model)
+    log.info(f"RWKV-CLIP: {n_params:,} parameters, {trainable:,} trainable "
+             f"({100 * trainable / n_params:.2f}%), precision {args.precision}, "
              f"activation checkpointing {'on' if args.open_checkpoint else 'off'}")
     seed_everything(args.seed + 1 + info.rank)  # per-rank dropout / drop-path streams
     return model
@@ -726,6 +729,18 @@ def lock_towers(model: torch.nn.Module, args, log) -> None:
             for p in getattr(model, tower).parameters():
                 p.requires_grad_(False)
             log.info(f"{tower} locked (frozen)")
+
+
+def add_lora_adapters(model: torch.nn.Module, args, log) -> None:
+    """``--lora-rank``: adapters in the towers that are not locked (:mod:`rwkv_clip.lora`)."""
+    settings = LoraSettings.from_args(args)
+    if settings is None:
+        return
+    towers = tuple(t for t, locked in (("image_model", args.lock_image),
+                                       ("text_model", args.lock_text)) if not locked)
+    names = add_adapters(model, settings, towers)
+    log.info(f"{settings.describe()}: {len(names)} adapted layers in {', '.join(towers)}; "
+             "every other weight frozen")
 
 
 def loader_args(args, info: DistInfo, train_data: str, data_format: str) -> LoaderArgs:
