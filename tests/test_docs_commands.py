@@ -216,6 +216,17 @@ def resolve(argv: list[str]) -> list[str]:
     return argv
 
 
+def python_on_path(tmp_path: Path) -> Path:
+    """A folder whose ``python`` is this interpreter (a wrapper: a symlink elsewhere would
+    not find the virtual environment)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    return bin_dir
+
+
 def env() -> dict[str, str]:
     return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO) + os.pathsep
                 + os.environ.get("PYTHONPATH", ""))
@@ -268,11 +279,8 @@ def _literal_runs() -> list[str]:
 
 @pytest.mark.parametrize("command", _literal_runs())
 def test_run(command, tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
     e = env()
-    e["PATH"] = f"{bin_dir}{os.pathsep}{e['PATH']}"
+    e["PATH"] = f"{python_on_path(tmp_path)}{os.pathsep}{e['PATH']}"
     res = subprocess.run(["bash", "-c", f"set -e; {command}"], cwd=REPO, env=e,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
@@ -321,9 +329,7 @@ def sandbox(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     for name in ("train.py", "zero_shot.py", "text_image_retrieval.py", "dali.py", "scripts",
                  "model_config"):
         (root / name).symlink_to(REPO / name)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
+    bin_dir = python_on_path(tmp_path)
     e = env()
     e.pop("HF_HUB_CACHE", None)
     e.pop("HF_HUB_OFFLINE", None)  # the page sets it where it means to
@@ -362,7 +368,7 @@ def test_worked_example(page, tmp_path):
         ret = json.loads((results / "jsonl_zeroshot_retrieval.json").read_text())
         assert "image_retrieval_recall@1" in ret["metrics"]
         assert (root / "runs" / "mine" / "report.png").is_file()
-        assert "zero-shot (final)" in (root / "runs" / "mine" / "training.log").read_text()
+        assert "final zero-shot accuracy:" in (root / "runs" / "mine" / "training.log").read_text()
     else:
         assert (root / "runs" / "pretrained" / "RWKV-CLIP-B32_yfcc15m" / "eval_results"
                 / "imagefolder_zeroshot_classification.json").is_file()
