@@ -127,6 +127,36 @@ COMMANDS: dict[str, str] = {
     "python -m rwkv_clip.export runs/lora/checkpoints/epoch_latest.pt lora_merged.pt "
     "--merge-lora": "help",
     "python -m rwkv_clip.memory --config RWKV_CLIP_B32 --precision bf16 --lora-rank 16": "help",
+    # docs/export.md: tests/test_onnx_export.py runs this page's commands as written (slow)
+    "python -m rwkv_clip.export runs/default/checkpoints/epoch_6.pt --format hub --output "
+    "exported/hub --repo-id ORG/NAME": "help",
+    "python -m rwkv_clip.export runs/default/checkpoints/epoch_6.pt --format onnx --output "
+    "exported/onnx": "help",
+    "python scripts/bench_onnx.py --config RWKV_CLIP_tiny --repeats 3": "help",
+    "python zero_shot.py --model-weight runs/default/checkpoints/epoch_6.pt --output-dir "
+    "runs/default": "help",
+    # docs/losses.md: tests/test_train_siglip.py and test_train_captions.py train with these
+    "python train.py --siglip": "help",
+    "python train.py --caption-weights 1,0,0": "help",
+    "python train.py --siglip --caption-weights 2,1,1": "help",
+    "python train.py --siglip --siglip-dist-impl gather --gradient-acc 2 --accum-mode exact":
+        "help",
+    # docs/linear-probe-and-validation.md: tests/test_linear_probe.py and
+    # test_train_validation.py run the probe, validation and offline wandb on tiny data
+    "python train.py": "help",
+    "WANDB_MODE=offline python train.py --report-to wandb --name offline-run": "help",
+    "python train.py --report-to tensorboard,wandb --wandb-project-name rwkv-clip --name "
+    "small-builtin": "help",
+    "python train.py --train-data data/train --val-data data/val --val-frequency 2": "help",
+    "python zero_shot.py --model-weight runs/default/checkpoints/epoch_latest.pt --task "
+    "linear_probe": "help",
+    "python zero_shot.py --model-weight w.pt --task linear_probe --dataset imagefolder "
+    "--data-root my_set/ --fewshot-k 16": "help",
+    "python zero_shot.py --pretrained RWKV-CLIP-B32:yfcc15m --task linear_probe --data-root "
+    "/data --dataset cifar10,cifar100,food101": "help",
+    # docs/faults.md: tests/test_lost_rank.py kills ranks under torchrun (2 CPU processes)
+    "torchrun --nproc_per_node 8 --max-restarts 3 train.py --config RWKV_CLIP_B32 --train-data "
+    "/data/yfcc15m --save-every-steps 500 --output runs/b32": "help",
     # docs/own-data.md: the worked example, CPU-sized
     "python scripts/make_rec.py my_pairs/pairs.jsonl data/train": "page",
     "python train.py --train-data data/train --zero-shot-data my_images --output runs/mine "
