@@ -317,8 +317,8 @@ def test_safetensors_export_is_readable_by_others(tmp_path):
 
 
 def test_help_texts_say_each_default_once_and_name_parquet():
-    from rwkv_clip.train.args import build_parser
-    text = build_parser().format_help()
+    from rwkv_clip.train.args import build_train_parser
+    text = build_train_parser().format_help()
     assert "(default: None)" not in text
     flat = " ".join(text.split())
     assert flat.count("(default: the config's, else 10)") == 1
