@@ -146,7 +146,7 @@ def test_cli_exports_trained_checkpoint_with_normalised_features(trained_checkpo
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr
     assert "image_b7" in r.stdout and "text_b1" in r.stdout  # the check at batch 1 and 7 ran
-    from rwkv_clip.model import read_state_dict
+    from rwkv_clip.checkpoint_files import read_state_dict
     from rwkv_clip.onnx import OnnxCLIP
     from rwkv_clip.onnx_export import example_inputs, max_relative_difference, model_from_state
 
