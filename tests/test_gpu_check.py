@@ -30,7 +30,10 @@ spec.loader.exec_module(gpu_check)
 # imported only where they exist (importorskip / try-import), never needed on the device
 OPTIONAL = {"matplotlib",  # report.png only; train.py logs "report not drawn" without it
             "nvidia", "fla_anchor", "train_util", "test_data_common", "zero_shot", "train",
-            "dali_top", "mxnet"}
+            "dali_top", "mxnet",
+            # the optional extras (onnx, lora, linear-probe, wandb): imported inside the
+            # functions that need them, a one-line error where missing
+            "onnx", "onnxruntime", "onnxscript", "peft", "sklearn", "wandb"}
 
 
 def norm(name: str) -> str:

@@ -36,7 +36,8 @@ from .measure import (
     run_measurement,
     synthetic_batch,
 )
-from .walk import ParamTable, Plan, Segment, activation_segments, parameter_table
+from .params import ParamTable
+from .walk import Plan, Segment, activation_segments, parameter_table
 
 __all__ = ["CARDS", "Estimate", "card_capacity", "estimate", "inference_peak", "max_batch",
            "training_peak", "MeasurementError", "MeasureSpec", "PeakRSS", "build_measured_model",

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..precision import autocast_dtype, canonical_precision
-from .walk import DTYPE_NAMES, ParamTable, _cfg, activation_segments, parameter_table
+from .params import DTYPE_NAMES, ParamTable
+from .walk import _cfg, activation_segments, parameter_table
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2

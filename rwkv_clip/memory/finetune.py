@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from ..lora import ADAPTER_NAME, DEFAULT_TARGETS, TOWERS, target_names
-from .walk import DTYPE_NAMES, ParamTable
+from .params import DTYPE_NAMES, ParamTable
 
 _MATRIX_MODULES = (nn.Linear, nn.Embedding, nn.Conv2d)
 
