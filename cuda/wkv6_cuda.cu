@@ -2,11 +2,11 @@
 //
 // Same algorithm as RWKV-CLIP's kernel: one block per (batch, head), WKV_N threads,
 // fp32 arithmetic, per-thread state rows of length WKV_N, and the decay gradient from
-// row/column partial sums kept in a per-thread array of WKV_TMAX scalars. Differences:
-// inputs are read in their own dtype (fp32 / bf16 / fp16; w in fp32 or the input dtype),
-// exp(-exp(w)) is formed in-kernel, every T from 1 to WKV_TMAX is handled (the decay
-// gradient is exactly zero at the two ends and for T < 3), and launches go to the
-// caller's stream.
+// row/column partial sums. Differences: inputs are read in their own dtype (fp32 / bf16 /
+// fp16; w in fp32 or the input dtype), exp(-exp(w)) is formed in-kernel, the row sums of
+// the decay gradient go to a (B, T, C) scratch in global memory instead of a per-thread
+// array sized by a compile-time T_max, so every T >= 1 is handled (the decay gradient is
+// exactly zero at the two ends and for T < 3), and launches go to the caller's stream.
 //
 // Notation (per batch, head; j = key channel, i = value channel), d = exp(-exp(w)):
 //   y[t,i] = sum_j r[t,j] (u[j] k[t,j] v[t,i] + A[t-1][j,i] + B[t+1][j,i])
@@ -182,14 +182,15 @@ __global__ void __launch_bounds__(WKV_N) wkv_backward_rkvu(
 // For one direction, in that direction's own time tau (t = tau or T-1-tau), channel i:
 //   c[tau] = dL/dlog d[tau] = sum_{s < tau < s'} D(s,s') r[s'] k[s] (g[s'] . v[s])
 //   c[0] = 0, c[1] = X[0], c[tau] = c[tau-1] + X[tau-1] - Y[tau]   (tau <= T-2), c[T-1] = 0
-//   X[s]   = k[s] * ((d[s+1] P[s+1]) v[s])_i   row sums, one reverse scan, kept in xs[]
+//   X[s]   = k[s] * ((d[s+1] P[s+1]) v[s])_i   row sums, one reverse scan, kept in xs
+//            (global scratch laid out as the inputs: thread i's X[s] at base + s*C)
 //   Y[tau] = r[tau] * ((d[tau-1] A[tau-2]) g[tau])_i   column sums, one forward scan
 // dw = -exp(w) * (c_causal + c_anticausal). Thread i keeps one row of each state.
 template <typename F, typename FW, bool REV>
 __device__ __forceinline__ void decay_grad_direction(
     int T, int C, int64_t base, const F* __restrict__ r, const F* __restrict__ k,
     const F* __restrict__ v, const FW* __restrict__ w, const float* __restrict__ gy,
-    float* __restrict__ gw, float* sv, float* sg, float* xs) {
+    float* __restrict__ gw, float* sv, float* sg, float* __restrict__ xs) {
     const int i = threadIdx.x;
     auto at = [&](int tau) -> int64_t { return base + (int64_t)(REV ? T - 1 - tau : tau) * C; };
     float z[WKV_N];
@@ -208,9 +209,9 @@ __device__ __forceinline__ void decay_grad_direction(
             z[j] = (z[j] + ri * sg[j]) * di;  // becomes d[tau-1] P[tau-1]
             sum += z[j] * sv[j];
         }
-        xs[tau - 2] = sum * to_f(k[p2]);
+        xs[base + (int64_t)(tau - 2) * C] = sum * to_f(k[p2]);
     }
-    float c = xs[0];
+    float c = xs[base];
     {
         const int64_t p = at(1);
         const float val = c * neg_exp(w[p]);
@@ -231,7 +232,7 @@ __device__ __forceinline__ void decay_grad_direction(
             z[j] = (z[j] + ki * sv[j]) * di;
             sum += z[j] * sg[j];
         }
-        c += xs[tau - 1] - sum * to_f(r[p]);
+        c += xs[base + (int64_t)(tau - 1) * C] - sum * to_f(r[p]);
         const float val = c * neg_exp(w[p]);
         if (REV) gw[p] += val; else gw[p] = val;
     }
@@ -241,11 +242,10 @@ template <typename F, typename FW>
 __global__ void __launch_bounds__(WKV_N) wkv_backward_w(
     int T, int C, int H, const F* __restrict__ r, const F* __restrict__ k,
     const F* __restrict__ v, const FW* __restrict__ w, const float* __restrict__ gy,
-    float* __restrict__ gw) {
+    float* __restrict__ gw, float* __restrict__ xs) {
     const int b = blockIdx.x / H, h = blockIdx.x % H, i = threadIdx.x;
     const int64_t base = (int64_t)b * T * C + h * WKV_N + i;
     __shared__ float sv[WKV_N], sg[WKV_N];
-    float xs[WKV_TMAX > 2 ? WKV_TMAX - 2 : 1];
     // the two ends are never strictly between two steps
     gw[base] = 0.f;
     gw[base + (int64_t)(T - 1) * C] = 0.f;
@@ -265,11 +265,11 @@ void launch_forward(int B, int T, int C, int H, const void* r, const void* k, co
 template <typename F, typename FW>
 void launch_backward(int B, int T, int C, int H, const void* r, const void* k, const void* v,
                      const void* w, const float* u, const float* gy, float* gr, float* gk,
-                     float* gv, float* gw, float* gu, cudaStream_t s) {
+                     float* gv, float* gw, float* gu, float* work, cudaStream_t s) {
     wkv_backward_rkvu<F, FW><<<B * H, WKV_N, 0, s>>>(T, C, H, (const F*)r, (const F*)k,
                                                      (const F*)v, (const FW*)w, u, gy, gr, gk, gv, gu);
     wkv_backward_w<F, FW><<<B * H, WKV_N, 0, s>>>(T, C, H, (const F*)r, (const F*)k, (const F*)v,
-                                                  (const FW*)w, gy, gw);
+                                                  (const FW*)w, gy, gw, work);
 }
 
 }  // namespace
@@ -280,10 +280,11 @@ bool wkv6_cuda_forward(int dt, int wdt, int B, int T, int C, int H, const void* 
     WKV_DISPATCH(launch_forward, B, T, C, H, r, k, v, w, u, y, s)
 }
 
+// work: B*T*C float32 scratch (no initial values needed).
 bool wkv6_cuda_backward(int dt, int wdt, int B, int T, int C, int H, const void* r, const void* k,
                         const void* v, const void* w, const float* u, const float* gy, float* gr,
-                        float* gk, float* gv, float* gw, float* gu, cudaStream_t s) {
-    WKV_DISPATCH(launch_backward, B, T, C, H, r, k, v, w, u, gy, gr, gk, gv, gw, gu, s)
+                        float* gk, float* gv, float* gw, float* gu, float* work, cudaStream_t s) {
+    WKV_DISPATCH(launch_backward, B, T, C, H, r, k, v, w, u, gy, gr, gk, gv, gw, gu, work, s)
 }
 #else
 }  // namespace

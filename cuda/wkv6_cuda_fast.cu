@@ -2,7 +2,7 @@
 //
 // Same semantics as wkv6_cuda.cu (the port-faithful oracle); different schedule:
 //  * every scan keeps ONE state vector of WKV_N floats per thread (registers, no spills;
-//    the faithful backward keeps up to three, plus an O(T_max) array for dw);
+//    the faithful backward keeps up to three);
 //  * independent scans run as separate blocks of one launch (gridDim.y), so the GPU sees
 //    2x (forward) and 6x (backward) more blocks than (batch x head);
 //  * dw needs no extra scans: per channel, the log-decay adjoint at step t is

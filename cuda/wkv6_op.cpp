@@ -1,6 +1,6 @@
 // Python bindings of the CUDA WKV6 kernels. The same file serves both variants:
 // the port-faithful one (wkv6_cuda.cu) and, with -DWKV_VARIANT_FAST, the fast one
-// (wkv6_cuda_fast.cu). Sizes are compile-time: WKV_N (head size), WKV_TMAX (longest T).
+// (wkv6_cuda_fast.cu). The head size WKV_N is compile-time; any sequence length T >= 1 runs.
 //
 //   forward(r, k, v, w, u) -> y                       (float32, (B, T, C))
 //   backward(r, k, v, w, u, gy) -> [gr, gk, gv, gw, gu]
@@ -22,7 +22,7 @@ bool wkv6_cuda_forward(int dt, int wdt, int B, int T, int C, int H, const void* 
                        const void* v, const void* w, const float* u, float* y, cudaStream_t s);
 bool wkv6_cuda_backward(int dt, int wdt, int B, int T, int C, int H, const void* r, const void* k,
                         const void* v, const void* w, const float* u, const float* gy, float* gr,
-                        float* gk, float* gv, float* gw, float* gu, cudaStream_t s);
+                        float* gk, float* gv, float* gw, float* gu, float* work, cudaStream_t s);
 #endif
 
 namespace {
@@ -46,8 +46,9 @@ Sizes check(const torch::Tensor& r, const torch::Tensor& k, const torch::Tensor&
                 ", u must be (H, ", WKV_N, ")");
     const int64_t B = r.size(0), T = r.size(1), C = r.size(2), H = u.size(0);
     TORCH_CHECK(H * WKV_N == C, "wkv6_cuda: C = ", C, " is not H x ", WKV_N);
-    TORCH_CHECK(T >= 1 && T <= WKV_TMAX, "wkv6_cuda: T = ", T, " outside 1..", WKV_TMAX);
-    TORCH_CHECK(B * H <= INT32_MAX && B * T * C < (int64_t(1) << 62), "wkv6_cuda: too large");
+    TORCH_CHECK(T >= 1, "wkv6_cuda: T = ", T, ", expected at least 1");
+    TORCH_CHECK(B * H <= INT32_MAX && T <= INT32_MAX && B * T * C < (int64_t(1) << 62),
+                "wkv6_cuda: too large");
     for (const torch::Tensor* t : {&r, &k, &v, &w, &u}) {
         TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "wkv6_cuda: inputs must be contiguous CUDA tensors");
         TORCH_CHECK(t->device() == r.device(), "wkv6_cuda: inputs on different devices");
@@ -99,12 +100,12 @@ std::vector<torch::Tensor> backward(torch::Tensor r, torch::Tensor k, torch::Ten
         at::cuda::getCurrentCUDAStream());
 #else
     torch::Tensor gr = torch::empty({s.B, s.T, s.C}, f32), gk = torch::empty_like(gr),
-                  gv = torch::empty_like(gr), gw = torch::empty_like(gr);
+                  gv = torch::empty_like(gr), gw = torch::empty_like(gr), work = torch::empty_like(gr);
     const bool ok = wkv6_cuda_backward(
         dtype_code(r), dtype_code(w), s.B, s.T, s.C, s.H, r.data_ptr(), k.data_ptr(), v.data_ptr(),
         w.data_ptr(), u.data_ptr<float>(), gy.data_ptr<float>(), gr.data_ptr<float>(),
         gk.data_ptr<float>(), gv.data_ptr<float>(), gw.data_ptr<float>(), gu.data_ptr<float>(),
-        at::cuda::getCurrentCUDAStream());
+        work.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
 #endif
     TORCH_CHECK(ok, "wkv6_cuda: no kernel for r dtype ", r.scalar_type(), " with w dtype ", w.scalar_type());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -117,7 +118,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("forward", &forward, "bidirectional WKV6 forward (CUDA): y = f(r, k, v, w, u), float32");
     m.def("backward", &backward, "bidirectional WKV6 backward (CUDA): [gr, gk, gv, gw, gu]");
     m.attr("head_size") = WKV_N;
-    m.attr("t_max") = WKV_TMAX;
 #ifdef WKV_VARIANT_FAST
     m.attr("variant") = "fast";
 #else

@@ -202,16 +202,13 @@ def test_shape_errors():
 
 
 def test_cuda_size_errors_before_anything_runs():
-    with pytest.raises(WKVError, match="T_max=4096"):
-        build.cuda_t_bucket(5000)
-    assert build.cuda_t_bucket(1) == 256 and build.cuda_t_bucket(257) == 512
     with pytest.raises(WKVError, match="head size N=66"):
         build.check_cuda_head_size(66)
     with pytest.raises(WKVError, match="unknown CUDA WKV variant"):
         build.resolve_cuda_variant("turbo")
 
 
-def test_cuda_too_long_raises_wkverror_without_compiling(monkeypatch):
+def test_cuda_bad_head_size_raises_wkverror_without_compiling(monkeypatch):
     """run_native checks sizes before building: a fake CUDA call never reaches a compiler."""
     from rwkv_clip.ops import kernels
 
@@ -219,10 +216,6 @@ def test_cuda_too_long_raises_wkverror_without_compiling(monkeypatch):
         raise AssertionError("must not build")
 
     monkeypatch.setattr(build, "get_cuda_kernel", boom)
-    r = torch.zeros(1, 5000, 8)
-    u = torch.zeros(2, 4)
-    with pytest.raises(WKVError, match="exceeds"):
-        kernels.run_native("cuda", r, r, r, r, u)
     r = torch.zeros(1, 4, 6)
     with pytest.raises(WKVError, match="head size"):
         kernels.run_native("cuda", r, r, r, r, torch.zeros(1, 6))
@@ -245,148 +238,16 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
 @pytest.mark.skipif(not HAS_NVCC, reason="no CUDA toolkit (nvcc)")
 @pytest.mark.parametrize("variant", build.CUDA_VARIANTS)
 def test_cuda_kernel_compiles(variant):
-    mod = build.get_cuda_kernel(64, 77, variant)
+    mod = build.get_cuda_kernel(64, variant)
     assert hasattr(mod, "forward") and hasattr(mod, "backward")
 
 
-# ------------------------------------------------- CUDA kernel logic, emulated on the CPU
-# The .cu sources compile as plain C++ with -DWKV_EMULATE and this shim: every block runs
-# its WKV_N threads as std::threads with a barrier for __syncthreads, one block at a time.
-# This checks the kernels' indexing and math against the reference on machines without a
-# GPU (fp32 instantiation; small head sizes so it stays fast).
-EMU_SHIM = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <thread>
-#include <vector>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-#define __launch_bounds__(n)
-#define __align__(n) __attribute__((aligned(n)))
-#define __expf expf
-struct float4 { float x, y, z, w; };
-#include <mutex>
-struct Dim3 { int x, y; };
-static thread_local Dim3 threadIdx, blockIdx;
-static std::barrier<>* g_barrier;
-static std::mutex g_atomic;
-inline void __syncthreads() { g_barrier->arrive_and_wait(); }
-inline float atomicAdd(float* p, float x) {
-    std::lock_guard<std::mutex> lock(g_atomic);
-    const float old = *p;
-    *p = old + x;
-    return old;
-}
-// Blocks run one after another (in reverse order, so nothing relies on block order).
-template <typename Fn>
-static void run_blocks(int nx, int ny, Fn fn) {
-    for (int b = nx * ny - 1; b >= 0; --b) {
-        std::barrier<> bar(WKV_N);
-        g_barrier = &bar;
-        std::vector<std::thread> th;
-        for (int i = 0; i < WKV_N; ++i)
-            th.emplace_back([=] { threadIdx.x = i; blockIdx.x = b % nx; blockIdx.y = b / nx; fn(); });
-        for (auto& t : th) t.join();
-    }
-}
-"""
-
-EMU_HARNESS = {
-    "faithful": r"""
-extern "C" void emu_forward(int B, int T, int C, int H, const float* r, const float* k,
-                            const float* v, const float* w, const float* u, float* y) {
-    run_blocks(B * H, 1, [=] { wkv_forward<float, float>(T, C, H, r, k, v, w, u, y); });
-}
-extern "C" void emu_backward(int B, int T, int C, int H, const float* r, const float* k,
-                             const float* v, const float* w, const float* u, const float* gy,
-                             float* gr, float* gk, float* gv, float* gw, float* gu) {
-    run_blocks(B * H, 1, [=] { wkv_backward_rkvu<float, float>(T, C, H, r, k, v, w, u, gy, gr, gk, gv, gu); });
-    run_blocks(B * H, 1, [=] { wkv_backward_w<float, float>(T, C, H, r, k, v, w, gy, gw); });
-}
-""",
-    "fast": r"""
-#include <cstring>
-extern "C" void emu_forward(int B, int T, int C, int H, const float* r, const float* k,
-                            const float* v, const float* w, const float* u, float* y) {
-    std::memset(y, 0, sizeof(float) * B * T * C);
-    run_blocks(B * H, 2, [=] { fast_forward<float, float>(T, C, H, r, k, v, w, u, y); });
-}
-extern "C" void emu_backward(int B, int T, int C, int H, const float* r, const float* k,
-                             const float* v, const float* w, const float* u, const float* gy,
-                             float* gr, float* gk, float* gv, float* gw, float* gu) {
-    const long n = (long)B * T * C;
-    std::vector<float> work(5 * n, 1e30f);  // garbage except the zeroed dv part
-    std::memset(work.data() + 4 * n, 0, sizeof(float) * n);
-    float* wk = work.data();
-    run_blocks(B * H, 6, [=] {
-        fast_backward_scans<float, float>(T, C, H, r, k, v, w, gy, wk, wk + n, wk + 2 * n, wk + 3 * n, wk + 4 * n);
-    });
-    run_blocks(B * H, 1, [=] {
-        fast_backward_combine<float, float>(T, C, H, r, k, v, w, u, gy, wk, wk + n, wk + 2 * n,
-                                            wk + 3 * n, wk + 4 * n, gr, gk, gv, gw, gu);
-    });
-}
-""",
-}
-
-EMU_SOURCES = {"faithful": "wkv6_cuda.cu", "fast": "wkv6_cuda_fast.cu"}
-
-
-def _build_emulator(tmp_path, variant, N, t_max):
-    import ctypes
-    import subprocess
-    src_dir = toolchain.source_dir()
-    cu = src_dir / EMU_SOURCES[variant]
-    if not cu.is_file():
-        pytest.skip(f"{cu.name} not present")
-    (tmp_path / "shim.h").write_text(EMU_SHIM)
-    harness = tmp_path / "harness.cpp"
-    harness.write_text(f'#include "shim.h"\n#include "{cu}"\n' + EMU_HARNESS[variant])
-    so = tmp_path / f"emu_{variant}_{N}.so"
-    cxx = shutil.which("g++") or shutil.which("c++")
-    cmd = [cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-Wno-unknown-pragmas", "-DWKV_EMULATE",
-           f"-DWKV_N={N}", f"-DWKV_TMAX={t_max}", f"-I{tmp_path}", str(harness), "-o", str(so),
-           "-lpthread"]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return ctypes.CDLL(str(so))
-
-
-@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
-@pytest.mark.parametrize("variant", ["faithful", "fast"])
-@pytest.mark.parametrize("N", [8, 12])
-def test_cuda_kernel_logic_emulated_on_cpu(tmp_path, variant, N):
-    import ctypes
-    if variant not in EMU_HARNESS:
-        pytest.skip(f"no emulation harness for {variant}")
-    t_max = 16
-    lib = _build_emulator(tmp_path, variant, N, t_max)
-
-    def ptr(t):
-        return ctypes.c_void_p(t.data_ptr())
-
-    for B, T, H in [(1, 1, 2), (2, 2, 1), (1, 3, 2), (2, 4, 1), (1, 9, 2), (1, t_max, 1)]:
-        C = H * N
-        inputs = make_inputs(B, T, H, N, seed=T + N)
-        gy = torch.randn(B, T, C, dtype=torch.float64)
-        y_ref, g_ref = grads_of(wkv6_bidirectional_reference, inputs, gy)
-        f32 = [x.detach().float().contiguous() for x in inputs]
-        g32 = gy.float().contiguous()
-        y = torch.full((B, T, C), float("nan"))
-        lib.emu_forward(B, T, C, H, *map(ptr, f32), ptr(y))
-        outs = [torch.full((B, T, C), float("nan")) for _ in range(4)] + [torch.full((B, C), float("nan"))]
-        lib.emu_backward(B, T, C, H, *map(ptr, f32), ptr(g32), *map(ptr, outs))
-        outs[4] = outs[4].sum(0).view(H, N)
-        assert_close(y, y_ref, 1e-5, f"{variant} y T={T}")
-        for name, a, b in zip("rkvwu", outs, g_ref, strict=False):
-            assert_close(a, b, 2e-5, f"{variant} grad {name} (B={B}, T={T}, H={H}, N={N})")
+# The CUDA kernels' logic is checked on the host, every dtype instantiation and long
+# sequences included, in test_wkv_cuda_emulation.py.
 
 
 GPU_SHAPES = [(2, 1, 2, 64), (2, 2, 2, 80), (3, 3, 2, 64), (2, 49, 2, 80), (2, 77, 3, 64),
-              (2, 196, 2, 80), (1, 300, 1, 64)]
+              (2, 196, 2, 80), (1, 300, 1, 64), (1, 5000, 1, 64)]
 
 
 @pytest.mark.gpu
@@ -492,7 +353,7 @@ def test_cache_key_follows_sources_header_and_flags(tmp_path):
 @pytest.mark.parametrize("variant", build.CUDA_VARIANTS)
 def test_cuda_spec_hashes_every_included_header(variant):
     import re
-    spec = build.cuda_kernel_spec(64, 256, variant)
+    spec = build.cuda_kernel_spec(64, variant)
     local_includes = set()
     for src in spec.sources:
         local_includes.update(re.findall(r'#include "([^"]+)"', src.read_text()))
@@ -727,3 +588,65 @@ def test_compiled_model_matches_eager_with_no_graph_break():
     assert compiled[3].keys() == eager[3].keys() and len(eager[3]) > 10
     for name, grad in eager[3].items():
         assert_close(compiled[3][name], grad, 1e-5, f"grad {name}")
+
+
+# ------------------------------------------------------- the CPU kernel's instruction set
+def test_cpu_build_targets_this_machines_instruction_set(monkeypatch):
+    """The CPU kernel is built with -march=native, named after the level and the exact
+    feature set the compiler enables; another feature set is another cache entry, and the
+    portable build (explicit flags from /proc/cpuinfo) is yet another."""
+    native = toolchain.cpu_native_isa()
+    if native is None:
+        pytest.skip("the compiler does not take -march=native here")
+    tag, flags = native
+    assert flags == ["-march=native"]
+    cpu_flags = toolchain._cpu_flags()
+    level = tag.split("_")[0]
+    if "avx512_bf16" in cpu_flags:
+        assert level in ("avx512bf16", "amx"), tag
+    elif "avx512f" in cpu_flags:
+        assert level == "avx512", tag
+    elif "avx2" in cpu_flags:
+        assert level == "avx2", tag
+    spec, portable = build.cpu_kernel_spec(), build.cpu_kernel_spec(portable=True)
+    assert "-march=native" in spec.cflags and spec.base_name.endswith(tag)
+    assert "-march=native" not in portable.cflags
+    assert portable.base_name == f"rwkv_clip_wkv6_cpu_{toolchain.cpu_isa_flags()[0]}"
+    assert spec.key() != portable.key()
+    # a CPU with one feature less gets a different build folder
+    cxx_target = toolchain._native_target.__wrapped__  # the uncached probe
+    cpu, features = cxx_target(shutil.which("c++") or "g++")
+    monkeypatch.setattr(toolchain, "_native_target", lambda cxx: (cpu, features[1:]))
+    other = build.cpu_kernel_spec()
+    assert other.base_name != spec.base_name and other.name != spec.name
+    monkeypatch.setenv(build.CPU_ISA_ENV_VAR, "portable")
+    build.reset_env_overrides()
+    assert build.cpu_kernel_spec() == portable
+
+
+def test_portable_isa_levels_follow_cpuinfo(monkeypatch):
+    cases = [({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+              "avx512bf16", "-mavx512bf16"),
+             ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx512", "-mavx512f"),
+             ({"avx2", "fma", "avx512f"}, "avx2", "-mavx2"), ({"sse4_2"}, "base", None)]
+    for flags, tag, flag in cases:
+        monkeypatch.setattr(toolchain, "_cpu_flags", lambda f=flags: set(f))
+        got_tag, got_flags = toolchain.cpu_isa_flags()
+        assert got_tag == tag and (flag in got_flags if flag else got_flags == [])
+    assert "-mavx512bf16" not in toolchain.ISA_LEVELS[1][2]
+
+
+@pytest.mark.slow
+@cpu_kernel
+def test_native_build_failure_falls_back_to_the_portable_build(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(toolchain, "cpu_native_isa", lambda: ("broken_isa", ["-mno-such-isa-flag"]))
+    monkeypatch.setattr(build, "cpu_native_isa", toolchain.cpu_native_isa)
+    monkeypatch.setattr(build, "_loaded", {})
+    mod = build.get_cpu_kernel()
+    assert "did not compile" in capsys.readouterr().err
+    portable = build.cpu_kernel_spec(portable=True)
+    assert cache.is_built(portable) and build.cpu_kernel_specs() == [portable]
+    x = [torch.randn(1, 6, 8) for _ in range(4)]
+    u = torch.randn(1, 8)
+    assert_close(mod.forward(*x, u), wkv6_bidirectional_reference(*x, u), 1e-5)

@@ -2,10 +2,10 @@
 and :func:`get_cuda_kernel` compile on first use with ``torch.utils.cpp_extension``
 (ninja) into the cache (:mod:`.cache`), with the toolchain :mod:`.toolchain` finds:
 
-* CPU  - one build for every head size (the head size is a runtime argument), tagged with
-  the instruction set used.
-* CUDA - one build per (variant, head size N, T_max bucket): 256, then powers of two up
-  to :data:`CUDA_T_MAX`.
+* CPU  - one build for every head size and sequence length (both runtime arguments), for
+  the machine's own instruction set (``-march=native``; the tag in its name says which),
+  with a portable build as the fallback.
+* CUDA - one build per (variant, head size N); any sequence length.
 
 Size and toolchain problems raise :class:`rwkv_clip.errors.WKVError` before any compiler
 runs; a failed compile raises :class:`rwkv_clip.errors.KernelBuildError` ending with the
@@ -28,6 +28,7 @@ from .cache import KernelSpec, build_lock, cache_root, is_built, lock_timeout, m
 from .toolchain import (
     check_cxx,
     cpu_isa_flags,
+    cpu_native_isa,
     cuda_arch_list,
     cuda_gencode_flags,
     find_cuda_home,
@@ -36,8 +37,6 @@ from .toolchain import (
     source_dir,
 )
 
-CUDA_T_MAX = 4096
-CUDA_T_BUCKETS = (256, 512, 1024, 2048, 4096)
 CUDA_MAX_HEAD_SIZE = 256
 CUDA_VARIANTS = ("faithful", "fast")
 DEFAULT_CUDA_VARIANT = "faithful"
@@ -49,14 +48,6 @@ COMPILER_TAIL_LINES = 25
 
 
 # ----------------------------------------------------------------------------- sizes
-def cuda_t_bucket(T: int) -> int:
-    for b in CUDA_T_BUCKETS:
-        if T <= b:
-            return b
-    raise WKVError(f"rwkv_clip: sequence length T={T} exceeds the CUDA WKV kernel's maximum "
-                 f"T_max={CUDA_T_MAX}; use shorter sequences or backend='reference'")
-
-
 def check_cuda_head_size(N: int) -> None:
     if N % 4 != 0 or N < 4 or N > CUDA_MAX_HEAD_SIZE:
         raise WKVError(f"rwkv_clip: head size N={N} is not supported by the CUDA WKV kernel "
@@ -188,60 +179,100 @@ def build_kernel(spec: KernelSpec, verbose: bool = False):
         return module if spec.python_module else OperatorLibrary(name, so)
 
 
-def _loaded_or_build(cache_key: tuple, make_spec, verbose: bool):
+def _loaded_or_build(cache_key: tuple, build):
     mod = _loaded.get(cache_key)  # fast path: no lock, no file system
     if mod is not None:
         return mod
     with _lock:
         mod = _loaded.get(cache_key)
         if mod is None:
-            mod = build_kernel(make_spec(), verbose=verbose)
+            mod = build()
             _loaded[cache_key] = mod
         return mod
 
 
-def cpu_kernel_name() -> str:
-    tag, _ = cpu_isa_flags()
-    return f"rwkv_clip_wkv6_cpu_{tag}"
+CPU_ISA_ENV_VAR = "RWKV_CLIP_WKV_CPU_ISA"
+NATIVE_FAILED_MARKER = "native_build_failed.txt"
 
 
-def cpu_kernel_spec() -> KernelSpec:
-    tag, isa = cpu_isa_flags()
-    return KernelSpec(what=f"CPU ({tag})", base_name=cpu_kernel_name(),
+def cpu_kernel_spec(portable: bool | None = None) -> KernelSpec:
+    """The CPU kernel's build: for this machine's own instruction set (``-march=native``)
+    unless ``portable`` (default: ``$RWKV_CLIP_WKV_CPU_ISA`` is ``portable``) or the
+    compiler cannot target it; the portable build has the explicit flags of the best
+    level /proc/cpuinfo shows (AVX-512 with or without BF16, AVX2, or none)."""
+    if portable is None:
+        portable = (env_override(CPU_ISA_ENV_VAR) or "native").strip().lower() == "portable"
+    native = None if portable else cpu_native_isa()
+    tag, isa = native if native is not None else cpu_isa_flags()
+    kind = "native" if native is not None else "portable"
+    return KernelSpec(what=f"CPU ({kind}, {tag})", base_name=f"rwkv_clip_wkv6_cpu_{tag}",
                       sources=(source_dir() / "wkv6_cpu.cpp",),
                       # -fno-trapping-math lets the kernel's exp polynomial vectorise
                       cflags=("-O3", "-fopenmp", "-fno-trapping-math", *isa),
                       ldflags=("-fopenmp",), python_module=False)
 
 
+def _native_failed(spec: KernelSpec) -> Path:
+    return cache_root() / spec.name / NATIVE_FAILED_MARKER
+
+
+def cpu_kernel_specs() -> list[KernelSpec]:
+    """The CPU builds to try in turn: the native one (unless it failed here before, or
+    the portable build is asked for), then the portable one."""
+    spec = cpu_kernel_spec()
+    portable = cpu_kernel_spec(portable=True)
+    if spec == portable or _native_failed(spec).is_file():
+        return [portable]
+    return [spec, portable]
+
+
+def cpu_kernel_name() -> str:
+    """The base name (instruction set tag included) of the CPU build that will be used."""
+    specs = cpu_kernel_specs()
+    built = [s for s in specs if is_built(s)]
+    return (built or specs)[0].base_name
+
+
 def cpu_kernel_cached() -> bool:
-    return is_built(cpu_kernel_spec())
+    return any(is_built(s) for s in cpu_kernel_specs())
 
 
 def get_cpu_kernel(verbose: bool = False):
-    """The compiled CPU kernel module (forward, backward); builds it on first use."""
-    def make():
+    """The compiled CPU kernel module (forward, backward); builds it on first use, for
+    the machine's own instruction set, falling back to the portable build when that
+    compile fails (remembered in the cache, so it is tried once)."""
+    def build_first_that_compiles():
         check_cxx()
-        return cpu_kernel_spec()
-    return _loaded_or_build(("cpu",), make, verbose)
+        specs = cpu_kernel_specs()
+        for spec in specs[:-1]:
+            try:
+                return build_kernel(spec, verbose=verbose)
+            except KernelBuildError as e:
+                marker = _native_failed(spec)
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(str(e))
+                print(f"rwkv_clip: the WKV kernel for {spec.what} did not compile (details in "
+                      f"{marker}); building the portable one", file=sys.stderr, flush=True)
+        return build_kernel(specs[-1], verbose=verbose)
+    return _loaded_or_build(("cpu",), build_first_that_compiles)
 
 
-def cuda_kernel_name(N: int, t_max: int, variant: str) -> str:
+def cuda_kernel_name(N: int, variant: str) -> str:
     cu = (torch.version.cuda or "none").replace(".", "")
-    return f"rwkv_clip_wkv6_cuda{cu}_{variant}_N{N}_T{t_max}"
+    return f"rwkv_clip_wkv6_cuda{cu}_{variant}_N{N}"
 
 
-def cuda_kernel_spec(N: int, t_max: int, variant: str) -> KernelSpec:
+def cuda_kernel_spec(N: int, variant: str) -> KernelSpec:
     home = prepare_cuda_toolchain()
     src = source_dir()
     cu_file = "wkv6_cuda.cu" if variant == "faithful" else "wkv6_cuda_fast.cu"
-    defines = [f"-DWKV_N={N}", f"-DWKV_TMAX={t_max}"]
+    defines = [f"-DWKV_N={N}"]
     if variant == "fast":
         defines.append("-DWKV_VARIANT_FAST")
     archs = cuda_arch_list()
     return KernelSpec(
-        what=f"CUDA ({variant}, head size {N}, T <= {t_max}, archs {archs})",
-        base_name=cuda_kernel_name(N, t_max, variant),
+        what=f"CUDA ({variant}, head size {N}, archs {archs})",
+        base_name=cuda_kernel_name(N, variant),
         sources=(src / "wkv6_op.cpp", src / cu_file), headers=(src / "wkv6_common.cuh",),
         cflags=("-O3", *defines),
         cuda_cflags=("-O3", "-Xptxas", "-O3", "--use_fast_math", "--extra-device-vectorization",
@@ -249,13 +280,12 @@ def cuda_kernel_spec(N: int, t_max: int, variant: str) -> KernelSpec:
         arch_list=archs, toolkit=str(home))
 
 
-def get_cuda_kernel(N: int, T: int, variant: str | None = None, verbose: bool = False):
-    """The compiled CUDA kernel for head size N and sequence length T (T_max bucket)."""
+def get_cuda_kernel(N: int, variant: str | None = None, verbose: bool = False):
+    """The compiled CUDA kernel for head size N (any sequence length)."""
     variant = resolve_cuda_variant(variant)
     check_cuda_head_size(N)
-    t_max = cuda_t_bucket(T)
 
-    def make():
+    def build():
         check_cxx()
-        return cuda_kernel_spec(N, t_max, variant)
-    return _loaded_or_build(("cuda", variant, N, t_max), make, verbose)
+        return build_kernel(cuda_kernel_spec(N, variant), verbose=verbose)
+    return _loaded_or_build(("cuda", variant, N), build)

@@ -59,7 +59,7 @@ def _cuda_inputs(r, k, v, w, u):
 
 @wkv6_forward.register_kernel("cuda")
 def _wkv6_forward_cuda(r, k, v, w, u, cuda_variant=DEFAULT_VARIANT):
-    mod = build.get_cuda_kernel(u.shape[1], r.shape[1], cuda_variant)
+    mod = build.get_cuda_kernel(u.shape[1], cuda_variant)
     with torch.cuda.device(r.device):
         return mod.forward(*_cuda_inputs(r, k, v, w, u))
 
@@ -83,7 +83,7 @@ def _wkv6_backward_fake(r, k, v, w, u, gy, cuda_variant=DEFAULT_VARIANT):
 
 @wkv6_backward.register_kernel("cuda")
 def _wkv6_backward_cuda(r, k, v, w, u, gy, cuda_variant=DEFAULT_VARIANT):
-    mod = build.get_cuda_kernel(u.shape[1], r.shape[1], cuda_variant)
+    mod = build.get_cuda_kernel(u.shape[1], cuda_variant)
     with torch.cuda.device(r.device):
         grads = mod.backward(*_cuda_inputs(r, k, v, w, u), gy.float().contiguous())
     return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (r, k, v, w, u), strict=True))
@@ -106,10 +106,10 @@ wkv6_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------ entry point
-def check_cuda_sizes(N: int, T: int) -> None:
-    """Raise :class:`WKVError` for sizes the CUDA kernels do not support, before any build."""
+def check_cuda_sizes(N: int) -> None:
+    """Raise :class:`WKVError` for a head size the CUDA kernels do not support, before any
+    build (every sequence length is supported)."""
     build.check_cuda_head_size(N)
-    build.cuda_t_bucket(T)
 
 
 def run_native(backend: str, r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor,
@@ -122,7 +122,7 @@ def run_native(backend: str, r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tens
         return wkv6_forward(r, k, v, w, u)
     if backend == "cuda":
         variant = build.resolve_cuda_variant(variant)
-        check_cuda_sizes(u.shape[1], r.shape[1])
+        check_cuda_sizes(u.shape[1])
         return wkv6_forward(r, k, v, w, u, variant)
     raise WKVError(f"run_native: no native kernel for backend {backend!r}; expected 'cpu' or "
                    "'cuda'")

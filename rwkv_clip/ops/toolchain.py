@@ -3,12 +3,15 @@ ninja, the CUDA toolkit root and the CUDA architectures to build for."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
+import hashlib
 import importlib.resources
 import logging
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -36,21 +39,98 @@ def source_dir() -> Path:
                  "checkout or in the installed package rwkv_clip.cuda)")
 
 
-def cpu_isa_flags() -> tuple[str, list[str]]:
-    """Instruction-set flags the build machine supports (tag, flags). The tag goes into
-    the cache name so a shared cache never hands AVX2 code to an older CPU."""
+def _cpu_flags() -> set[str]:
+    """The feature flags /proc/cpuinfo lists for the first CPU (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set()
             for line in f:
                 if line.startswith("flags"):
-                    flags.update(line.split(":", 1)[1].split())
-                    break
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        flags = set()
-    if {"avx2", "fma"} <= flags:
-        return "avx2", ["-mavx2", "-mfma"]
+        pass
+    return set()
+
+
+# Instruction-set levels, best first: (tag, cpuinfo flags it needs, explicit compiler flags).
+ISA_LEVELS = (
+    ("avx512bf16", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma"},
+     ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+      "-mavx512bf16"]),
+    ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"},
+     ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
+    ("avx2", {"avx2", "fma"}, ["-mavx2", "-mfma"]),
+)
+
+
+def cpu_isa_flags() -> tuple[str, list[str]]:
+    """The portable build: the best level of :data:`ISA_LEVELS` /proc/cpuinfo shows, as
+    explicit ``-m`` flags (tag, flags); ``("base", [])`` when none applies. The tag goes
+    into the cache name so a shared cache never hands AVX code to an older CPU."""
+    flags = _cpu_flags()
+    for tag, needs, isa in ISA_LEVELS:
+        if needs <= flags:
+            return tag, isa
     return "base", []
+
+
+def _isa_level(features: set[str]) -> str:
+    """A readable name for a set of enabled compiler features (``avx512bf16``, ``amx``...)."""
+    if {"amx-tile", "amx-bf16"} <= features:
+        return "amx"
+    if "avx512bf16" in features:
+        return "avx512bf16"
+    if "avx512f" in features:
+        return "avx512"
+    if "avx2" in features:
+        return "avx2"
+    return "base"
+
+
+@functools.cache
+def _native_target(cxx: str) -> tuple[str, tuple[str, ...]] | None:
+    """What ``cxx -march=native`` selects on this machine: (CPU name, enabled features),
+    read from the driver's expanded command line (GCC: ``-march=X -mFEATURE``; Clang:
+    ``-target-cpu X -target-feature +FEATURE``). None when the compiler does not take
+    ``-march=native`` or says nothing usable."""
+    try:
+        res = subprocess.run([cxx, "-march=native", "-###", "-x", "c++", "-c", os.devnull,
+                              "-o", os.devnull], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if res.returncode != 0:
+        return None
+    tokens = [t.strip('"') for t in res.stderr.split()]
+    cpu, features = "", set()
+    for prev, tok in zip(["", *tokens], tokens, strict=False):
+        if tok.startswith("-march=") and tok != "-march=native":
+            cpu = tok.split("=", 1)[1]
+        elif prev == "-target-cpu":
+            cpu = tok
+        elif prev == "-target-feature" and tok.startswith("+"):
+            features.add(tok[1:])
+        elif tok.startswith("-m") and not tok.startswith(("-mno-", "-mtune", "-march", "-m64",
+                                                          "-m32")):
+            features.add(tok[2:])
+    if not cpu or not features:
+        return None
+    return cpu, tuple(sorted(features))
+
+
+def cpu_native_isa() -> tuple[str, list[str]] | None:
+    """The build for this machine's own instruction set: (tag, ``["-march=native"]``), or
+    None where the compiler cannot do it. The tag names the level and hashes the exact
+    feature set the compiler enables, so two CPUs share a cached build only when the
+    code is valid on both."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        cxx = "g++"
+    target = _native_target(cxx)
+    if target is None:
+        return None
+    cpu, features = target
+    digest = hashlib.sha256(" ".join((cpu, *features)).encode()).hexdigest()[:10]
+    name = re.sub(r"[^A-Za-z0-9]", "_", cpu)  # the tag is part of a module name
+    return f"{_isa_level(set(features))}_{name}_{digest}", ["-march=native"]
 
 
 def check_cxx() -> None:
