@@ -157,12 +157,36 @@ class StateDict:
     config: str | None = None  # the shipped config it was published for, if known
 
 
+POS_EMBED_KEY = "image_model.pos_embed"
+
+
+def fit_image_size(model: nn.Module, tensors: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+    """``tensors`` with a ``pos_embed`` of another (square) patch grid than ``model``'s
+    resized to the model's grid, bicubic as the image tower resizes it for other input
+    sizes (and as open_clip loads weights at a ``--force-image-size``); the same values
+    the original computes in its forward from the checkpoint's grid. Unchanged otherwise."""
+    image = getattr(model, "image_model", None)
+    src = tensors.get(POS_EMBED_KEY)
+    dst = getattr(image, "pos_embed", None)
+    if src is None or not isinstance(dst, torch.Tensor) or src.shape == dst.shape \
+            or src.dim() != 3 or src.shape[-1] != dst.shape[-1]:
+        return tensors
+    from .layers.pos_embed import fit_pos_embed
+    resized = fit_pos_embed(src, tuple(image.patch_resolution),  # type: ignore[union-attr]
+                            image.interpolate_mode,  # type: ignore[union-attr]
+                            image.num_extra_tokens)  # type: ignore[union-attr]
+    return tensors if resized is None else {**tensors, POS_EMBED_KEY: resized}
+
+
 def load_checked(model: nn.Module, weights: StateDict,
                  hint: Callable[[], str] | None = None) -> nn.Module:
     """Check ``weights`` against ``model`` (one error listing every difference) and load
-    them strictly; values land on the model's device, in its dtypes."""
-    check_state_dict(model, weights.tensors, weights.label, hint)
-    model.load_state_dict(weights.tensors, strict=True)
+    them strictly; values land on the model's device, in its dtypes. A ``pos_embed``
+    trained at another image size is resized to the model's (:func:`fit_image_size`)."""
+    tensors = fit_image_size(model, weights.tensors)
+    check_state_dict(model, tensors, weights.label, hint)
+    model.load_state_dict(tensors, strict=True)
     return model
 
 

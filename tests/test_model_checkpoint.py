@@ -46,7 +46,7 @@ def test_mismatched_checkpoint_names_the_keys(tmp_path, tiny_args, trained_state
     state = dict(trained_state)
     state.pop("text_model.ln_out.bias")
     state["image_model.extra.weight"] = torch.zeros(1)
-    state["image_model.pos_embed"] = torch.zeros(1, 4, 64)
+    state["image_model.pos_embed"] = torch.zeros(1, 5, 64)  # no square grid: not resizable
     path = tmp_path / "bad.pt"
     torch.save(state, path)
     with pytest.raises(CheckpointError) as err:

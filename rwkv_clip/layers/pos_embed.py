@@ -1,6 +1,8 @@
 """Resize a learned 2-D position embedding to another patch grid."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -24,3 +26,19 @@ def resize_pos_embed(pos_embed: torch.Tensor, src_shape: tuple[int, int],
     grid = pos_embed[:, num_extra_tokens:].reshape(1, src_h, src_w, channels).permute(0, 3, 1, 2)
     grid = F.interpolate(grid, size=tuple(dst_shape), mode=mode, align_corners=False)
     return torch.cat((extra, grid.flatten(2).transpose(1, 2)), dim=1)
+
+
+def fit_pos_embed(pos_embed: torch.Tensor, dst_shape: tuple[int, int], mode: str = "bicubic",
+                  num_extra_tokens: int = 0) -> torch.Tensor | None:
+    """A checkpoint's (1, extra + s*s, C) embedding of a square grid resized to
+    ``dst_shape`` (computed in float32, returned in its dtype); None when it is not a
+    square grid's, so the caller reports the mismatch."""
+    if pos_embed.dim() != 3 or pos_embed.shape[1] <= num_extra_tokens:
+        return None
+    tokens = pos_embed.shape[1] - num_extra_tokens
+    side = math.isqrt(tokens)
+    if side * side != tokens:
+        return None
+    resized = resize_pos_embed(pos_embed.float(), (side, side), dst_shape, mode,
+                               num_extra_tokens)
+    return resized.to(pos_embed.dtype)

@@ -1,7 +1,8 @@
 """``python -m rwkv_clip.memory``: the planner's command line.
 
     python -m rwkv_clip.memory --config model_config/RWKV_CLIP_B32.json --batch-size 256 \
-        --precision bf16 [--checkpointing] [--gradient-acc K] [--gpus N] [--measure] [--json]
+        --precision bf16 [--input-size 896] [--checkpointing] [--gradient-acc K] [--gpus N] \
+        [--measure] [--json]
 
 The flags mean what train.py's do: ``--batch-size`` is the micro-batch per GPU (one
 forward/backward), ``--gradient-acc K`` micro-batches make one optimizer step, so a GPU
@@ -13,6 +14,7 @@ status 2 (:func:`rwkv_clip.errors.run_cli`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -53,6 +55,10 @@ def build_planner_parser() -> argparse.ArgumentParser:
                                         "train.py's do, so a training command's values can "
                                         "be copied here.")
     ap.add_argument("--config", default=None, help="model config JSON (default: B/32)")
+    ap.add_argument("--input-size", "--image-size", "--force-image-size", dest="input_size",
+                    type=int, default=None, metavar="PIXELS",
+                    help="image side in pixels (train.py's --input-size; default: the "
+                         "config's): the image tower sees (side / patch)^2 tokens")
     ap.add_argument("--batch-size", type=int, default=256,
                     help="micro-batch per GPU, one forward/backward (train.py's --batch-size)")
     ap.add_argument("--precision", default="bf16", help="fp32, tf32, bf16 or fp16")
@@ -103,6 +109,7 @@ def comparison_modes(ns: argparse.Namespace) -> list[FineTune]:
 
 def _check(ns: argparse.Namespace) -> None:
     for flag, value in (("--batch-size", ns.batch_size), ("--gradient-acc", ns.gradient_acc),
+                        ("--input-size", ns.input_size),
                         ("--gpus", ns.gpus), ("--inference-batch", ns.inference_batch)):
         if value is not None and value < 1:
             raise TrainArgsError(f"{flag} must be >= 1, got {value}")
@@ -127,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..config import load_model_configs, resolve_config_path
     config = str(resolve_config_path(ns.config or "RWKV_CLIP_B32"))
     args = load_model_configs(config)
+    if ns.input_size is not None:
+        args = dataclasses.replace(args, input_size=ns.input_size)
     if ns.measure:
         from ..distributed import pick_device
         device = pick_device(ns.device or "auto").type
@@ -146,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.measure:
         from .measure import measure
         m = measure(config, ns.batch_size if ns.mode == "train" else inf_batch, precision,
-                    ns.checkpointing, device, ns.mode, ns.wkv_backend, finetune=ft)
+                    ns.checkpointing, device, ns.mode, ns.wkv_backend, finetune=ft,
+                    input_size=ns.input_size)
         est_b = est.training_peak_bytes if ns.mode == "train" else est.inference_peak_bytes
         m["estimated_peak_bytes"] = est_b
         m["mode"] = ns.mode

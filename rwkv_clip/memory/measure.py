@@ -16,6 +16,7 @@ blur the peak. The protocol between :func:`measure` (parent) and :func:`worker_m
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -179,6 +180,7 @@ class MeasureSpec:
     mode: str = "train"  # "train" (one warm step, then the measured one) or "inference"
     wkv_backend: str | None = None
     finetune: dict | None = None  # a .finetune.FineTune as a dict (None: full training)
+    input_size: int | None = None  # image side in pixels (None: the config's)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -214,6 +216,8 @@ def run_measurement(spec: MeasureSpec) -> dict:
     if spec.mode not in ("train", "inference"):
         raise MeasurementError(f"measure mode {spec.mode!r}: expected train or inference")
     args = load_model_configs(spec.config)  # a bad config fails before the warm-up
+    if spec.input_size is not None:
+        args = dataclasses.replace(args, input_size=spec.input_size)
     dev = torch.device(spec.device)
     if dev.type == "cpu":
         _warm_up_cpu(spec.wkv_backend, spec.finetune)
@@ -284,13 +288,13 @@ def worker_env() -> dict[str, str]:
 
 def measure(config: str, batch: int, precision: str, checkpointing: bool, device: str,
             mode: str = "train", wkv_backend: str | None = None,
-            timeout: float = 1800, finetune: Any = None) -> dict:
+            timeout: float = 1800, finetune: Any = None, input_size: int | None = None) -> dict:
     """Run :func:`run_measurement` in a fresh subprocess (protocol in the module
     docstring); returns its dict. ``finetune``: a :class:`.finetune.FineTune`."""
     ft = None if finetune is None else {**asdict(finetune),
                                         "lora_targets": list(finetune.lora_targets)}
     spec = MeasureSpec(str(config), batch, precision, checkpointing, device, mode,
-                       wkv_backend, ft)
+                       wkv_backend, ft, input_size)
     with tempfile.TemporaryDirectory(prefix="rwkv_clip_measure_") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(spec.to_json())

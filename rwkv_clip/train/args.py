@@ -136,7 +136,11 @@ def build_train_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_CONFIG}")
 
     g = p.add_argument_group("image tower (original flags; default: from the config)")
-    g.add_argument("--input-size", type=int, default=None, help="image side in pixels")
+    g.add_argument("--input-size", "--force-image-size", "--image-size", dest="input_size",
+                   type=int, default=None, metavar="PIXELS",
+                   help="image side in pixels (open_clip's --force-image-size): the model's "
+                        "pos_embed is made for it, and --pretrained weights of another size "
+                        "have theirs resized (bicubic)")
     g.add_argument("--image-depth", type=int, default=None, help="image blocks")
     g.add_argument("--image-embed-dims", type=int, default=None, help="image width (= n-embd)")
     g.add_argument("--image-patch-size", type=int, default=None, help="patch side")
