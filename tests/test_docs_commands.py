@@ -49,6 +49,12 @@ COMMANDS: dict[str, str] = {
     "torchrun --nproc_per_node 8 train.py --config RWKV_CLIP_B32 --train-data /data/yfcc15m "
     "...": "help",
     "python train.py --resume latest --output runs/b32": "help",
+    # docs/training.md, other image sizes (tests/test_image_size.py trains the tiny config
+    # at 896 px from 16 px weights)
+    "python train.py --config RWKV_CLIP_B16 --pretrained weights_224.pt --force-image-size 896 "
+    "--train-data /data/yfcc15m --batch-size 16 --precision bf16": "help",
+    "python -m rwkv_clip.memory --config RWKV_CLIP_B16 --input-size 896 --batch-size 16 "
+    "--precision bf16": "run",
     # data
     "python scripts/make_rec.py pairs.jsonl data/train": "help",
     "python scripts/make_rec.py img2dataset_out/ data/train --format wds": "help",
