@@ -61,8 +61,8 @@ def test_weights_of_another_image_size_load_resized():
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_forward_and_backward_past_4096_tokens_on_cpu():
-    """272 px at patch 4: 68 x 68 = 4624 image tokens, past the old 4096 ceiling."""
+def test_forward_and_backward_of_4624_image_tokens_on_cpu():
+    """272 px at patch 4: 68 x 68 = 4624 image tokens, more than 1024 px at patch 16 gives."""
     model = _tiny(272).train()
     images = torch.randn(1, 3, 272, 272, generator=torch.Generator().manual_seed(0))
     features = model.encode_image(images)
