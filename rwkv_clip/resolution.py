@@ -1,13 +1,8 @@
-"""Cost against image size: RWKV-CLIP beside open_clip's ViT at growing resolutions.
+"""Cost against image size: RWKV-CLIP beside an open_clip ViT, both built for each side.
 
-At each image side both models are built for that side (ours with its pos_embed grid for
-it, open_clip's with ``force_image_size``; random weights) and timed side by side with
-:mod:`rwkv_clip.benchmark`'s machinery (ABBA interleaving, median paired ratio):
-inference (encode_image, no grad) and a training step (both towers, ClipLoss, backward,
-AdamW), each precision under its autocast. Each model's last warm-up call measures the
-case's peak memory (:func:`rwkv_clip.benchmark.peak_memory`). Log-log slopes of time and
-memory against the number of patch tokens say how each cost grows: 1 is linear, 2
-quadratic. Used by ``scripts/bench_resolution.py``.
+Time (ABBA-interleaved, :mod:`rwkv_clip.benchmark`) and peak memory of inference and a
+training step per side, and their log-log slopes against the number of patch tokens
+(1: linear, 2: quadratic). Used by ``scripts/bench_resolution.py``.
 """
 from __future__ import annotations
 
@@ -297,39 +292,44 @@ def build_models(sweep: Sweep, args: Any, side: int) -> dict[str, torch.nn.Modul
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    """Time and peak memory against tokens, log-log, one line per model, task and
-    precision, its fitted slope in the legend (matplotlib, Agg)."""
+    """Time, peak memory and the memory the step adds against tokens, log-log, one line
+    per model, task and precision, its fitted slope in the legend (matplotlib, Agg)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
     names = {OURS: f"RWKV-CLIP {Path(result['config']).stem.split('_')[-1]}",
              THEIRS: f"open_clip {result['versus']}"}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    panels = (("median_s", 1.0, "time_slope", "seconds per call (median)"),
+              ("peak_memory_bytes", 2.0 ** -30, "memory_slope", "peak memory (GiB)"),
+              ("step_memory_bytes", 2.0 ** -30, "step_memory_slope",
+               "memory the call adds (GiB)"))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    all_tokens = sorted({c["tokens"] for c in result["cases"]})
     for s in result["slopes"]:
         rows = [c for c in result["cases"] if c["task"] == s["task"]
                 and c["precision"] == s["precision"] and "median_s" in c.get(s["model"], {})]
-        tokens = [c["tokens"] for c in rows]
         style = dict(color="tab:red" if s["model"] == OURS else "tab:blue",
                      linestyle="-" if s["task"] == "infer" else "--",
                      marker="o" if s["precision"] == "fp32" else "s")
         what = f"{names[s['model']]} {s['task']} {s['precision']}"
-        for ax, key, scale, slope in (
-                (axes[0], "median_s", 1.0, s["time_slope"]),
-                (axes[1], "peak_memory_bytes", 2.0 ** -30, s["memory_slope"])):
-            label = what + ("" if slope is None else f" (slope {slope:.2f})")
-            ax.plot(tokens, [c[s["model"]][key] * scale for c in rows], label=label, **style)
-    device = result["device"]
-    for ax, ylabel in ((axes[0], "seconds per call (median)"), (axes[1], "peak memory (GiB)")):
+        for ax, (key, scale, fit, _) in zip(axes, panels, strict=True):
+            label = what + ("" if s[fit] is None else f" (slope {s[fit]:.2f})")
+            ax.plot([c["tokens"] for c in rows], [c[s["model"]][key] * scale for c in rows],
+                    label=label, **style)
+    for ax, (_, _, _, ylabel) in zip(axes, panels, strict=True):
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(all_tokens, [str(t) for t in all_tokens])
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("image tokens (patches)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"cost against image size: {device}, {result['threads']} threads",
+    fig.suptitle(f"cost against image size: {result['device']}, {result['threads']} threads",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -359,9 +359,9 @@ def add_flags(ap: Any) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    ap.add_argument("--max-seconds", type=float, default=1200.0,
+    ap.add_argument("--max-seconds", type=float, default=1800.0,
                     help="skip a case predicted (from the smaller sides) to end past this "
-                         "many seconds of the sweep (default 1200)")
+                         "many seconds of the sweep (default 1800)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--plot", default=None, help="draw time and memory against tokens here "
                                                  "(PNG; needs matplotlib)")

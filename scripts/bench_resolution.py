@@ -12,9 +12,8 @@ rwkv_clip.resolution.
     python scripts/bench_resolution.py --model B32 --precisions fp32,bf16
     python scripts/bench_resolution.py --sides 224,448,896 --tasks infer --versus none
 
-On the CPU the training step stops at 896 px (--train-sides) and a case predicted to end
-past --max-seconds (default 1200) is skipped and listed; the full default sweep takes
-about 10 minutes on 2 quiet cores.
+On the CPU the training step stops at 896 px (--train-sides), and a case predicted to end
+past --max-seconds (default 1800) is skipped and listed under "skipped".
 """
 from __future__ import annotations
 

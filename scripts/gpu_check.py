@@ -39,6 +39,10 @@ SCRIPTS = REPO / "scripts"
 B32 = str(REPO / "model_config" / "RWKV_CLIP_B32.json")
 TINY = str(REPO / "model_config" / "RWKV_CLIP_tiny.json")
 GiB = 1024 ** 3
+# the resolution sweep's image sides: B/16's image tower has head size 80 and (side / 16)^2
+# tokens, whose CUDA kernels the build step makes; 1792 px (12544 tokens) is past the
+# kernel's T_max of 4096
+RESOLUTION_SIDES = "224,448,896"
 # the seed's memory claims (README of the original), checked against the measurements
 CLAIMS = {
     "inference_bf16_b1": "< 4 GB",
@@ -409,6 +413,20 @@ def memory_step(name: str, precision: str, timeout: int) -> Step:
                 dry=mem + ["--device", "cpu"])
 
 
+def resolution_step(name: str, timeout: int) -> Step:
+    bench = [sys.executable, str(SCRIPTS / "bench_resolution.py")]
+    return Step(name, bench + ["--device", "cuda", "--model", "B16", "--precisions", "bf16",
+                               "--sides", RESOLUTION_SIDES, "--batch-size", "4",
+                               "--train-batch-size", "4", "--warmup", "2", "--repeats", "4",
+                               "--max-seconds", str(timeout - 30)],
+                timeout, cuda=True,
+                why=f"B/16 beside open_clip ViT-B-16 at {RESOLUTION_SIDES} px, bf16, batch 4: "
+                    "inference and training step, time and peak memory, log-log slopes",
+                dry=bench + ["--device", "cpu", "--model", "B32", "--precisions", "bf16",
+                             "--sides", "32,64", "--warmup", "1", "--repeats", "1",
+                             "--threads", "1"])
+
+
 def fastest_cuda_variant(runner: Runner) -> tuple[str, str]:
     """The faster CUDA variant by summed bf16 fwd+bwd time over the shapes, among those
     that passed the float64 check; faithful when nothing was measured."""
@@ -523,10 +541,13 @@ def main(argv: list[str] | None = None) -> int:
     # the published configs' kernels (T_max 256) and the GPU tests' T=300 one (T_max 512)
     jobs = ["cpu"] + [f"{v}:{n}:{t}" for v in ("faithful", "fast")
                       for n, t in ((64, 77), (80, 49), (64, 300))]
+    jobs += [f"faithful:80:{(int(side) // 16) ** 2}" for side in RESOLUTION_SIDES.split(",")
+             if (int(side) // 16) ** 2 > 256]  # the resolution sweep's longer sequences
     build = runner.run(Step("build_kernels", me + ["build", *jobs], 180,
                             why="kernel build time: CPU kernel and both CUDA variants for "
-                                "N=64/80 T_max 256 and N=64 T_max 512 (the GPU tests), "
-                                "one process each, in parallel"))
+                                "N=64/80 T_max 256 and N=64 T_max 512 (the GPU tests), the "
+                                "faithful one for N=80 T_max 1024 and 4096 (the resolution "
+                                "sweep), one process each, in parallel"))
     if build["status"] == "timed_out" and own_cache:  # dead builders leave locks behind
         build["locks_removed"] = [str(p) for p in kernels.rglob("lock")]
         for lock in kernels.rglob("lock"):
@@ -566,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     runner.run(Step("torchrun_nccl_ddp", me + ["torchrun-ddp", "cuda"], 90, cuda=True,
                     dry=me + ["torchrun-ddp", "cpu"],
                     why="one-process torchrun: NCCL process group, all-reduce, 2 DDP steps"))
+    runner.run(resolution_step("resolution_bf16", 120))
     for ckpt in (False, True):
         tag = "_ckpt" if ckpt else ""
         runner.run(train_step(f"train_best_compiled{tag}", best if cuda else "fast", ckpt,
