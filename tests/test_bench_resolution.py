@@ -196,12 +196,16 @@ def test_a_side_that_is_not_a_multiple_of_the_patch_is_one_line_error(repo_root)
 @pytest.mark.slow
 def test_b32_beside_open_clip_vit_b32_at_two_sides(repo_root):
     pytest.importorskip("open_clip")
-    proc = _script(repo_root, "--model", "B32", "--sides", "64,128", "--threads", "2",
-                   "--repeats", "1")
+    proc = _script(repo_root, "--model", "B32", "--sides", "32,64", "--train-sides", "64",
+                   "--threads", "2", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["versus"] == "ViT-B-32" and result["config"] == "RWKV_CLIP_B32.json"
-    assert len(result["cases"]) == 4 and len(result["slopes"]) == 4
+    assert [(c["task"], c["tokens"]) for c in result["cases"]] == [
+        ("infer", 1), ("infer", 4), ("train", 4)]
+    fits = {(f["model"], f["task"]): f for f in result["slopes"]}
+    assert fits[(THEIRS, "infer")]["time_slope"] is not None
+    assert fits[(THEIRS, "train")]["time_slope"] is None  # one side
     for case in result["cases"]:
         assert case["ratio"] > 0 and case["memory_ratio"] > 0
         assert case[THEIRS]["peak_memory_bytes"] > case[THEIRS]["held_bytes"] > 0
