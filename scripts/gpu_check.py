@@ -465,6 +465,14 @@ def summarize(runner: Runner) -> dict:
                 "peak_memory_gib": round(res["peak_memory_bytes"] / GiB, 2),
                 "estimated_peak_gib": round(res["estimated_peak_bytes"] / GiB, 2),
                 "wkv_share": res.get("wkv_share")}
+    res = s.get("resolution_bf16", {}).get("result") or {}
+    out["resolution"] = {
+        "cases": [{"task": c["task"], "side": c["side"], "tokens": c["tokens"],
+                   **{k: c[k] for k in ("ratio", "memory_ratio") if k in c},
+                   **{name: c[name].get("median_s", c[name].get("error"))
+                      for name in ("rwkv_clip", "open_clip") if name in c}}
+                  for c in res.get("cases", [])],
+        "slopes": res.get("slopes", [])}
     for key, claim in CLAIMS.items():
         if key.startswith("inference"):
             res = (s.get(f"memory_{key}", {}).get("result") or {}).get("measured") or {}
