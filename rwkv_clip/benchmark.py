@@ -24,9 +24,10 @@ MODES = ("eager", "compiled")
 PRECISIONS = ("fp32", "bf16")
 
 
-def build_open_clip(name: str = OPEN_CLIP_DEFAULT, seed: int = 0) -> nn.Module:
+def build_open_clip(name: str = OPEN_CLIP_DEFAULT, seed: int = 0, **options: Any) -> nn.Module:
     """open_clip's model ``name``, randomly initialised (pretrained=None: nothing is
-    downloaded; the Hub is put offline for the call)."""
+    downloaded; the Hub is put offline for the call); ``options`` go to
+    ``open_clip.create_model`` (e.g. ``force_image_size``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import open_clip
@@ -37,7 +38,7 @@ def build_open_clip(name: str = OPEN_CLIP_DEFAULT, seed: int = 0) -> nn.Module:
         raise ConfigError(f"open_clip has no model {name!r}; expected one of "
                           f"open_clip.list_models(), e.g. {OPEN_CLIP_DEFAULT!r}")
     torch.manual_seed(seed)
-    return open_clip.create_model(name, pretrained=None, output_dict=False)
+    return open_clip.create_model(name, pretrained=None, output_dict=False, **options)
 
 
 def open_clip_shapes(model: Any) -> tuple[int, int, int]:
@@ -63,10 +64,11 @@ def maybe_compile(model: nn.Module, mode: str) -> Callable[..., Any]:
 
 
 def training_runner(model: nn.Module, forward: Callable[..., Any], precision: str,
-                    images: torch.Tensor, tokens: torch.Tensor) -> Callable[[], float]:
+                    images: torch.Tensor, tokens: torch.Tensor,
+                    device_type: str = "cpu") -> Callable[[], float]:
     """One training step per call (returns the loss): the trainer's optimizer on
     ``model``'s parameters, the forward through ``forward`` (``model`` or its compiled
-    wrapper)."""
+    wrapper). ``step.optimizer`` is that optimizer."""
     from .loss import ClipLoss
     from .memory.measure import trainer_defaults
     from .precision import get_precision
@@ -75,7 +77,7 @@ def training_runner(model: nn.Module, forward: Callable[..., Any], precision: st
     settings = trainer_defaults()
     optimizer = build_optimizer(model, settings)
     loss_fn = ClipLoss(cache_labels=True)
-    prec = get_precision(precision, "cpu")
+    prec = get_precision(precision, device_type)
     scaler = prec.scaler()
     batch = [MicroBatch(images, tokens)]
 
@@ -84,14 +86,15 @@ def training_runner(model: nn.Module, forward: Callable[..., Any], precision: st
                             autocast=prec.autocast_factory, mode=settings.accum_mode,
                             clip_grad_norm=settings.grad_clip_norm, wrapped=forward)
         return float(result.loss)
+    step.optimizer = optimizer  # type: ignore[attr-defined]
     return step
 
 
 def inference_runner(forward: Callable[..., Any], precision: str, images: torch.Tensor,
-                     tokens: torch.Tensor) -> Callable[[], float]:
+                     tokens: torch.Tensor, device_type: str = "cpu") -> Callable[[], float]:
     """encode_image + encode_text (the models' forward) without grad, per call."""
     from .precision import get_precision
-    prec = get_precision(precision, "cpu")
+    prec = get_precision(precision, device_type)
 
     def run() -> float:
         with torch.no_grad(), prec.autocast():
@@ -162,19 +165,25 @@ class Case:
     result: dict[str, Any] = field(default_factory=dict)
 
 
-def interleaved(runners: dict[str, Callable[[], float]], warmup: int,
-                repeats: int) -> dict[str, Any]:
+def interleaved(runners: dict[str, Callable[[], float]], warmup: int, repeats: int,
+                probe: Callable[[str, Callable[[], float]], float] | None = None
+                ) -> dict[str, Any]:
     """Warm the runners up in turn, then time them in ABBA order; per-name step times,
-    the warm-up seconds and whether every returned value was finite."""
+    the warm-up seconds and whether every returned value was finite. ``probe(name, run)``,
+    if given, makes each runner's last warm-up call (untimed, so a probe such as
+    :func:`peak_memory` may slow it down)."""
     names = list(runners)
     out: dict[str, Any] = {n: {"step_s": [], "finite": True, "warmup_s": 0.0} for n in names}
     # warm-ups alternate too: a model's first steps (optimizer state, compilation) reshape
     # the process's heap, and the other model's first timed step must not be the one
     # that pays for it
-    for _ in range(warmup):
+    for w in range(warmup):
         for name in names:
             t = time.perf_counter()
-            value = runners[name]()
+            if probe is not None and w == warmup - 1:
+                value = probe(name, runners[name])
+            else:
+                value = runners[name]()
             out[name]["finite"] &= bool(torch.isfinite(torch.tensor(value)))
             out[name]["warmup_s"] += time.perf_counter() - t
     for r in range(repeats):
@@ -184,6 +193,74 @@ def interleaved(runners: dict[str, Callable[[], float]], warmup: int,
             out[name]["step_s"].append(time.perf_counter() - t)
             out[name]["finite"] &= bool(torch.isfinite(torch.tensor(value)))
     return out
+
+
+def resident_bytes(*objects: Any) -> int:
+    """Bytes of the distinct tensor storages held by ``objects``: modules (parameters,
+    their gradients, buffers), optimizers (their state) and tensors."""
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            for p in obj.parameters():
+                add(p)
+                add(p.grad)
+            for b in obj.buffers():
+                add(b)
+        elif isinstance(obj, torch.optim.Optimizer):
+            for state in obj.state.values():
+                for value in state.values():
+                    add(value)
+        else:
+            add(obj)
+    return sum(seen.values())
+
+
+MEMORY_METHODS = {
+    "cuda": "torch.cuda.max_memory_allocated during the call minus memory_allocated before "
+            "it, plus the bytes the case holds at its start (parameters, gradients, "
+            "optimizer state, inputs): the peak of live tensor bytes, as the caching "
+            "allocator counts them",
+    "cpu": "torch.profiler profile_memory (every allocation and free of torch's CPU "
+           "allocator during the call, summed in time order: the rise to the peak) plus "
+           "the bytes the case holds at its start (parameters, gradients, optimizer state, "
+           "inputs): the peak of live tensor bytes, not RSS (no allocator slack, code "
+           "pages or library scratch outside torch's allocator)",
+}
+
+
+def peak_memory(run: Callable[[], float], device: torch.device,
+                held: Callable[[], int]) -> tuple[float, int, int]:
+    """(value, held bytes, rise in bytes) of one call of ``run``: ``held()`` is what the
+    case holds when the call starts (e.g. :func:`resident_bytes` of its model, optimizer
+    and inputs), the rise is how far live tensor bytes climb above their level at the
+    start during the call (:data:`MEMORY_METHODS`); their sum is the case's peak, with
+    none of what other objects in the process hold."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        start = held()
+        value = run()
+        torch.cuda.synchronize(device)
+        return value, start, torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+    start = held()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        value = run()
+    from torch.autograd import DeviceType
+    host = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)  # what torch counts as CPU
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() in host]
+    now = rise = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        now += e.nbytes()
+        rise = max(rise, now)
+    return value, start, rise
 
 
 def summarise(timings: dict[str, Any], batch: int, ours: str, theirs: str | None) -> dict:

@@ -39,6 +39,9 @@ SCRIPTS = REPO / "scripts"
 B32 = str(REPO / "model_config" / "RWKV_CLIP_B32.json")
 TINY = str(REPO / "model_config" / "RWKV_CLIP_tiny.json")
 GiB = 1024 ** 3
+# the resolution sweep's image sides: B/16's image tower has (side / 16)^2 tokens; sides
+# that fit the step's time budget
+RESOLUTION_SIDES = "224,448,896"
 # the seed's memory claims (README of the original), checked against the measurements
 CLAIMS = {
     "inference_bf16_b1": "< 4 GB",
@@ -409,6 +412,20 @@ def memory_step(name: str, precision: str, timeout: int) -> Step:
                 dry=mem + ["--device", "cpu"])
 
 
+def resolution_step(name: str, timeout: int) -> Step:
+    bench = [sys.executable, str(SCRIPTS / "bench_resolution.py")]
+    return Step(name, bench + ["--device", "cuda", "--model", "B16", "--precisions", "bf16",
+                               "--sides", RESOLUTION_SIDES, "--batch-size", "4",
+                               "--train-batch-size", "4", "--warmup", "2", "--repeats", "4",
+                               "--max-seconds", str(timeout - 30)],
+                timeout, cuda=True,
+                why=f"B/16 beside open_clip ViT-B-16 at {RESOLUTION_SIDES} px, bf16, batch 4: "
+                    "inference and training step, time and peak memory, log-log slopes",
+                dry=bench + ["--device", "cpu", "--model", "B32", "--precisions", "bf16",
+                             "--sides", "32,64", "--warmup", "1", "--repeats", "1",
+                             "--threads", "1"])
+
+
 def fastest_cuda_variant(runner: Runner) -> tuple[str, str]:
     """The faster CUDA variant by summed bf16 fwd+bwd time over the shapes, among those
     that passed the float64 check; faithful when nothing was measured."""
@@ -447,6 +464,14 @@ def summarize(runner: Runner) -> dict:
                 "peak_memory_gib": round(res["peak_memory_bytes"] / GiB, 2),
                 "estimated_peak_gib": round(res["estimated_peak_bytes"] / GiB, 2),
                 "wkv_share": res.get("wkv_share")}
+    res = s.get("resolution_bf16", {}).get("result") or {}
+    out["resolution"] = {
+        "cases": [{"task": c["task"], "side": c["side"], "tokens": c["tokens"],
+                   **{k: c[k] for k in ("ratio", "memory_ratio") if k in c},
+                   **{name: c[name].get("median_s", c[name].get("error"))
+                      for name in ("rwkv_clip", "open_clip") if name in c}}
+                  for c in res.get("cases", [])],
+        "slopes": res.get("slopes", [])}
     for key, claim in CLAIMS.items():
         if key.startswith("inference"):
             res = (s.get(f"memory_{key}", {}).get("result") or {}).get("measured") or {}
@@ -565,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     runner.run(Step("torchrun_nccl_ddp", me + ["torchrun-ddp", "cuda"], 90, cuda=True,
                     dry=me + ["torchrun-ddp", "cpu"],
                     why="one-process torchrun: NCCL process group, all-reduce, 2 DDP steps"))
+    runner.run(resolution_step("resolution_bf16", 120))
     for ckpt in (False, True):
         tag = "_ckpt" if ckpt else ""
         runner.run(train_step(f"train_best_compiled{tag}", best if cuda else "fast", ckpt,

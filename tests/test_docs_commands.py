@@ -117,6 +117,10 @@ COMMANDS: dict[str, str] = {
     "--precisions fp32": "help",
     "python scripts/bench_train.py --versus none --repeats 3 --modes eager,compiled "
     "--batch-sizes 4 --precisions bf16": "help",
+    "python scripts/bench_resolution.py --plot resolution.png": "help",
+    "python scripts/bench_resolution.py --sides 224,448,896 --tasks infer --threads 2 "
+    "--plot docs/img/resolution.png": "help",
+    "python scripts/bench_resolution.py --model B32 --precisions fp32,bf16": "help",
     "python scripts/bench_wkv.py --shapes 16,77,10,64 --threads 1 --repeats 3": "help",
     "python scripts/bench_wkv.py --shapes 16,77,10,64": "help",
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu": "help",

@@ -168,3 +168,18 @@ def test_the_check_imports_names_the_project_has():
                 module = importlib.import_module(node.module)
                 for alias in node.names:
                     assert hasattr(module, alias.name), f"{script}: {node.module}.{alias.name}"
+
+
+def test_summary_carries_the_resolution_sweep():
+    runner = gpu_check.Runner(100, {}, rehearse=True, cuda=False)
+    case = {"task": "infer", "precision": "bf16", "side": 896, "tokens": 3136, "batch": 4,
+            "rwkv_clip": {"median_s": 0.02}, "open_clip": {"error": "RuntimeError: x"}}
+    fits = [{"model": "rwkv_clip", "task": "infer", "time_slope": 1.01}]
+    runner.steps["resolution_bf16"] = {"status": "ok",
+                                       "result": {"cases": [case], "slopes": fits}}
+    assert gpu_check.summarize(runner)["resolution"] == {
+        "cases": [{"task": "infer", "side": 896, "tokens": 3136, "rwkv_clip": 0.02,
+                   "open_clip": "RuntimeError: x"}],
+        "slopes": fits}
+    runner.steps.clear()  # the step skipped or failed without JSON: an empty record
+    assert gpu_check.summarize(runner)["resolution"] == {"cases": [], "slopes": []}
