@@ -116,7 +116,7 @@ class VRWKV_ChannelMix_V6(nn.Module):
         # weights the shifted neighbour instead): x * m + shifted * (1 - m), both in one lerp.
         mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(x.dtype)
         xk, xr = lerp(shifted, x, mix).unbind(0)
-        k = relu_square(self.key(xk))
+        k = relu_square(self.key(xk), inplace=True)
         if self.key_norm is not None:
             k = self.key_norm(k)
         return torch.sigmoid(self.receptance(xr)) * self.value(k)

@@ -87,7 +87,7 @@ class RWKV_CMix_V6(nn.Module):
         shifted = bidirectional_shift_multihead(x, 1, self.args.head_size)
         mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(x.dtype)
         xk, xr = lerp(x, shifted, mix).unbind(0)
-        k = relu_square(self.key(xk))
+        k = relu_square(self.key(xk), inplace=True)
         return torch.sigmoid(self.receptance(xr)) * self.value(k)
 
 
