@@ -1,26 +1,8 @@
-"""RWKV-CLIP beside open_clip's ViT-B-32 in one process: interleaved throughput.
+"""RWKV-CLIP beside an open_clip model in one process: interleaved throughput.
 
-Both models are timed in the same process on the same synthetic batch, one repeat of
-ours, then one of theirs, then theirs, then ours (ABBA), so that a change of load on a
-shared machine hits both sides alike: absolute pairs/s are noisy there, the ratios are
-what the interleaving makes meaningful. Each ratio is the median over repeats of the
-paired ratio (our time over theirs, inverted), next to each side's median pairs/s.
-
-The training step is :func:`rwkv_clip.train.accumulation.train_step` for both models
-(forward both towers under the precision's autocast, L2-normalise, ClipLoss, backward,
-clip grad norm, AdamW from the trainer's defaults); inference is ``model(images, tokens)``
-(encode_image + encode_text) under ``torch.no_grad()``. "compiled" wraps the model with
-``torch.compile(dynamic=False)``; its first calls (compilation) are the warm-up, timed
-separately as ``warmup_s``; warm-ups alternate between the models as well. The process
-keeps freed host memory for reuse, as ``train.py`` does on the CPU
-(:mod:`rwkv_clip.host_memory`; ``RWKV_CLIP_HOST_MALLOC=system`` measures glibc's
-defaults), the same for both models. Used by ``scripts/bench_train.py --versus`` and
-``scripts/bench_infer.py``.
-
-``--breakdown`` profiles one more call of each eager case and splits it into the kernels
-that ``torch.compile`` leaves as calls (matrix products, convolutions, attention, the WKV
-kernel), the optimizer (outside the compiled model) and the rest: how much compiling can
-gain at most (``compile_ceiling``).
+Repeats run ours, theirs, theirs, ours (ABBA) on the same synthetic batch, so a change
+of load hits both sides alike; each ratio is the median of the paired ratios. The
+training step is the trainer's own :func:`rwkv_clip.train.accumulation.train_step`.
 """
 from __future__ import annotations
 

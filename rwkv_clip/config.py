@@ -1,21 +1,10 @@
 """Model configuration: the original's JSON files <-> a typed, validated :class:`ModelArgs`.
 
-The original passes one ``args`` object around (argparse or ``load_model_configs``), and
-``Text_RWKV(args)`` reads its fields directly. We keep that contract (attribute access
-such as ``args.image_embed_dims``), but the object is a dataclass with one typed field
-per key of the published JSONs, and building one checks everything a model relies on:
-
-* an unknown key is an error naming it and the closest known key (a misspelt
-  ``image_embed_dim`` is not silently ignored);
-* a value of the wrong type or outside its range is an error naming key, value and
-  what was expected;
-* cross-field rules (equal tower widths, widths divisible by heads...) are checked once
-  the derived defaults the original fills in (``dim_att``, ``dim_ffn``, ``head_size``
-  from ``text_num_head``) are in place.
-
-:func:`complete_args` turns any namespace or dict into a new :class:`ModelArgs` and never
-changes its input; ``create_RWKV_Model`` calls it once per build. Unlike the original,
-loading a config sets no environment variables: kernel sizes come from the tensors.
+``ModelArgs`` keeps the original's attribute access (``args.image_embed_dims``) with one
+typed field per published key; building one rejects unknown keys (naming the closest
+known one), wrong types and ranges, and broken cross-field rules, after filling in the
+derived defaults (``dim_att``, ``dim_ffn``, ``head_size``). Nothing here sets
+environment variables: kernel sizes come from the tensors.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """Who am I in the job, which device do I use, and the process group: one ``DistInfo``
 for training, evaluation, data loading and the memory planner.
 
-Launchers understood:
-
-* a single process (nothing set): no process group at all;
-* ``torchrun`` (or any launcher setting ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` and
-  ``MASTER_ADDR`` / ``MASTER_PORT``);
-* SLURM's ``srun`` without torchrun: ``SLURM_PROCID`` / ``SLURM_NTASKS`` /
-  ``SLURM_LOCALID``; ``MASTER_ADDR`` from the environment or the first host of
-  ``SLURM_JOB_NODELIST`` (``SLURM_NODELIST``), ``MASTER_PORT`` from the environment or
-  a port derived from the job id.
-
-Backend: NCCL when the device is CUDA, gloo otherwise. Nothing here runs at import.
+Understands a single process, ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) and
+SLURM's ``srun`` (``SLURM_PROCID``...; the master is the job's first host). NCCL on CUDA,
+gloo otherwise. Nothing here runs at import.
 """
 from __future__ import annotations
 

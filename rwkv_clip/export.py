@@ -1,16 +1,10 @@
-"""``python -m rwkv_clip.export CHECKPOINT OUT.pt|OUT.safetensors [--ddp-prefix]``: the plain
-model state dict people publish, from one of our training checkpoints (which also hold
-optimizer and schedule state, about 3x the size) or any weights file we can load.
+"""``python -m rwkv_clip.export CHECKPOINT OUT.pt|OUT.safetensors``: the plain model state
+dict people publish, from a training checkpoint or any weights file we can load.
 
-The keys are the original's names (``--ddp-prefix``: with the ``module.`` prefix its
-loader expects, as its ``torch.save(ddp_model.state_dict())`` wrote them), in the model's
-order and dtypes (the text blocks' ``time_decay``/``time_faaaa`` in bfloat16, everything
-else float32), checked against the model config before anything is written. Prints the
-parameter count and the sha256 of the written file.
-
-``--format onnx --output DIR``: the two encoders as ONNX (:mod:`rwkv_clip.onnx_export`);
-``--format hub --output DIR``: a Hugging Face Hub folder with a model card
-(:mod:`rwkv_clip.hub`).
+Keys, order and dtypes are the original's (``--ddp-prefix`` adds its ``module.``), checked
+against the config before anything is written. ``--format onnx`` and ``--format hub``
+write the two encoders as ONNX or a Hub folder (:mod:`rwkv_clip.onnx_export`,
+:mod:`rwkv_clip.hub`).
 """
 from __future__ import annotations
 

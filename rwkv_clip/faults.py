@@ -1,19 +1,10 @@
 """A lost rank: every survivor stops in bounded time with one line and exit status 3.
 
-Each rank of a multi-process job runs a :class:`PeerWatch`: a daemon thread that counts a
-heartbeat in the job's rendezvous store (the TCPStore behind ``MASTER_ADDR:MASTER_PORT``)
-every half second and watches the next rank's count (a ring, so the store sees three small
-requests per rank and beat however large the job). Two ways lead to the same exit:
-
-* a collective raises on this rank (gloo: the peer's socket closed; NCCL: the watchdog
-  aborted the communicator; any backend: the ``--dist-timeout`` ran out): the watch names
-  the peers whose count stopped moving over a few seconds;
-* the watched peer's count stops for ``silence_limit(timeout)`` seconds, or a peer has
-  published a loss, while this rank is blocked (NCCL collectives do not fail by themselves).
-
-Either way this rank waits for a checkpoint or result file being written (:func:`writing`),
-prints ``PROG: error: lost rank R <where>; <outcome>`` and leaves with ``os._exit(3)``: no
-traceback, and no ``destroy_process_group``, which can hang once a peer is gone.
+Each rank runs a :class:`PeerWatch`, a heartbeat in the job's rendezvous store watched by
+the next rank (a ring). When a collective fails or the watched peer falls silent, the
+survivor waits for any checkpoint being written, prints ``lost rank R``, where it was and
+what is safe on disk, and leaves with ``os._exit(3)`` (``destroy_process_group`` can hang
+once a peer is gone).
 """
 from __future__ import annotations
 

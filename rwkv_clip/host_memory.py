@@ -1,25 +1,10 @@
 """Keep freed host memory inside the process on CPU runs (glibc's malloc settings).
 
-A CPU training step allocates and frees the same few GB of activations and gradients every
-step. glibc's defaults give large freed blocks back to the kernel: blocks over the mmap
-threshold (dynamic, at most 32 MiB) are unmapped when freed, and free memory at the top of
-a heap beyond the trim threshold is trimmed. The next step then takes the same memory
-again as fresh pages that the kernel faults in and zero-fills. With the mmap threshold at
-1 GiB and the trim threshold at 2 GiB the process keeps what it freed and reuses it, as
-PyTorch's caching allocator does on the GPU (tcmalloc or jemalloc preloaded, which
-PyTorch's CPU tuning guide suggests, behave alike). The process then holds its peak
-between steps.
-
-The command-line programs (``train.py``, the evaluation CLIs, the benchmarks) call
-:func:`configure_host_malloc` once, before any data loader starts (forked workers inherit
-the settings); importing the package and library calls change nothing, so a notebook's
-process keeps its allocator. ``RWKV_CLIP_HOST_MALLOC`` chooses:
-
-* ``auto`` (default): retain on CPU runs with glibc, unless glibc's own settings are given
-  (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or ``glibc.malloc`` tunables in
-  ``GLIBC_TUNABLES``), which then stay as they are;
-* ``retain``: also on GPU runs;
-* ``system``: leave malloc alone.
+A CPU training step frees and retakes the same few GB every step; glibc's defaults give
+large blocks back to the kernel, which then faults them in and zero-fills them again.
+:func:`configure_host_malloc` raises the mmap and trim thresholds so the process reuses
+them, as PyTorch's caching allocator does on the GPU. Only the command-line programs call
+it; ``RWKV_CLIP_HOST_MALLOC`` (auto, retain, system) chooses.
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .json_files import read_json_object
 from .transform import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
 WEIGHTS_FILE = "model.safetensors"
@@ -336,14 +337,7 @@ def folder_file(spec: str, filename: str, *, revision: str | None = None,
 
 
 def read_folder_json(spec: str, filename: str, **kwargs: Any) -> dict[str, Any]:
-    path = folder_file(spec, filename, **kwargs)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(folder_file(spec, filename, **kwargs))
 
 
 def known_hub_repo(spec: str) -> Any:

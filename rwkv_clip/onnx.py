@@ -12,7 +12,6 @@ of the shorter side, centre crop, CLIP mean/std from ``preprocess_config.json``)
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -39,16 +38,10 @@ def _load_onnxruntime() -> Any:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise _onnx_error(f"{path} does not exist: expected a folder written by python -m "
-                          "rwkv_clip.export CHECKPOINT --format onnx --output DIR")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise _onnx_error(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise _onnx_error(f"{path}: expected a JSON object")
-    return data
+    from .json_files import read_json_object
+
+    return read_json_object(path, missing_hint="expected a folder written by python -m "
+                            "rwkv_clip.export CHECKPOINT --format onnx --output DIR")
 
 
 class OnnxCLIP:

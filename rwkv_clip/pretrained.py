@@ -1,23 +1,9 @@
 """Weights by name, open_clip's way: the published RWKV-CLIP checkpoints, where they live on
 the Hugging Face Hub, and one resolver from what a user types to a local file.
 
-``pretrained`` (in :func:`rwkv_clip.factory.create_model_and_transforms` and every
-``--pretrained`` flag) is
-
-* a tag of the model (``create_model_and_transforms("RWKV-CLIP-B32", "yfcc15m")``) or,
-  on the command line, ``NAME:TAG`` (``RWKV-CLIP-B32:yfcc15m``);
-* a local file: ``.pt``/``.pth``/``.bin`` (``torch.save`` file, loaded with
-  ``weights_only=True``) or ``.safetensors``;
-* ``hf-hub:OWNER/REPO[/FILE]`` - any Hub repository (FILE defaults to the registry's
-  file for a known repository, else ``model_31.pt``).
-
-A tag or hf-hub name may end in ``@REVISION`` (branch, tag or commit) to pin a version;
-the registry's revision is used otherwise (``main``: the Hub repositories publish no
-release tags). Downloads go through ``huggingface_hub`` into its shared cache, so
-``HF_HOME``, ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` mean what they mean for every Hub
-user; nothing is downloaded unless a name is asked for, and with ``HF_HUB_OFFLINE=1`` a
-file that is not cached is one error naming the repository, the file and the command
-that fetches it.
+A name is a model tag, ``NAME:TAG``, a local ``.pt``/``.safetensors`` file or
+``hf-hub:OWNER/REPO[/FILE]``, optionally ``@REVISION``; downloads go through
+``huggingface_hub``'s cache (docs/pretrained.md).
 """
 from __future__ import annotations
 

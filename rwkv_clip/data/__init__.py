@@ -1,21 +1,10 @@
-"""Data for RWKV-CLIP: RecordIO / WebDataset writers and readers, loaders, a built-in set.
+"""Data for RWKV-CLIP: writers and readers (RecordIO, WebDataset, parquet), loaders, a
+built-in set.
 
-Public API:
-
-* :func:`build_train_loader`, :func:`build_eval_loader` - one factory picking DALI
-  (GPU or CPU-only) or the PyTorch fallback; loaders yield ``(images float (B,3,S,S),
-  tokens int64 (B,231))`` and have ``len()``/``reset()``.
-* :func:`ensure_builtin_dataset` - procedurally generated image-text set (+ zero-shot
-  image folder), generated once into a cache folder.
-* :func:`dali_dataloader` - the original's DALI entry point.
-* :class:`DataError` - every data problem (file and record named in the message).
-* Writers/readers: :class:`RecordIOWriter`, :class:`RecordIOReader`, :func:`convert`,
-  :func:`write_rec`, :func:`write_wds`; tokens: :func:`encode_captions`,
-  :class:`CaptionTokens` (``--caption-tokens`` arrays); parquet shards:
-  :mod:`rwkv_clip.data.parquet` (``data_format='parquet'``, needs pyarrow when used).
-
-Importing this package has no side effects (DALI, open_clip and torch data workers
-are imported or started only when used).
+:func:`build_train_loader` / :func:`build_eval_loader` pick DALI (GPU or CPU-only) or the
+PyTorch fallback; every loader yields ``(images float (B,3,S,S), tokens int64 (B,231))``.
+Every data problem is a :class:`DataError` naming file and record. Importing this package
+imports no DALI or open_clip and starts no workers.
 """
 
 from ..errors import DataError

@@ -1,36 +1,8 @@
 """Parquet image-text shards: img2dataset's parquet output and the Hub's YFCC15M layout.
 
-Columns (names resolved once, from the first readable file):
-
-* image: ``--image-column``, else the first of ``jpg`` (img2dataset), ``images`` (the
-  YFCC15M parquet of RWKV-CLIP on the Hub), ``image``, ``img`` that exists. Binary
-  (JPEG/PNG/... bytes) or a Hub ``Image`` struct ``{"bytes": ..., "path": ...}`` (a row
-  without bytes reads ``path``, relative to the parquet file's folder).
-* captions: ``--caption-columns raw[,synthetic[,generated]]``, else the first of
-  ``caption`` (img2dataset), ``texts`` (YFCC15M), ``text`` that exists. String columns
-  are tokenised (a missing synthetic/generated caption repeats the raw one); one list
-  column of numbers holds stored token ids, 77 x k per row (k = 1, 2 or 3; YFCC15M's
-  ``texts`` is ``sequence: float32``, the ``.rec`` labels), checked like ``.rec`` labels.
-* ``status`` (img2dataset): rows whose status is not ``"success"`` are skipped and
-  counted (``loader.filtered``); this column is read once when the loader is built.
-
-Only the parquet footers (and the status column) are read up front; problems found there
-(an empty or unreadable file, a missing column, a schema that differs from the first
-file) raise :class:`DataError` or, with ``skip_corrupt``, drop the file (counted). A null
-or undecodable image, or a missing caption, is found when the row is read.
-
-Order, sharding and resume (the torch loader's contract, at row-group granularity):
-each epoch the row groups are permuted with ``(seed, epoch)`` (the same on every rank),
-cut into shuffle windows of about ``shuffle_rows`` rows whose rows are permuted with
-``(seed, epoch, window)``; the resulting sequence of all N usable rows is split
-contiguously, rank r taking ``[N*r//W, N*(r+1)//W)``, so ranks are disjoint and together
-complete. Training batches are full, every rank has ``ceil(ceil(N/W)/B)`` of them (a short
-share wraps around itself). A batch is one item of a map-style dataset, so the batch
-order does not depend on ``--workers``, and a resumed run that skips the first k batches
-of an epoch sees exactly the batches the interrupted run would have seen. Each worker
-keeps the row groups of the current window in memory (about ``shuffle_rows`` rows plus
-one row group): write parquet with row groups of at most a few thousand rows (the Hub
-uses 100 for image sets).
+Columns are resolved once from the first readable file; only footers (and img2dataset's
+``status`` column) are read up front. Order, sharding and resume follow the torch
+loader's contract at row-group granularity (docs/data.md).
 """
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
 """Pure-Python MXNet RecordIO: writer, reader and structural validation.
 
-Format (dmlc-core ``recordio.cc``, which MXNet and DALI's ``readers.mxnet`` read):
-
-* every physical record starts with the little-endian uint32 magic ``0xced7230a``
-  followed by a uint32 length word ``(cflag << 29) | length`` (upper 3 bits:
-  continuation flag, lower 29 bits: byte length of this part);
-* the part's bytes follow, zero padded to a multiple of 4;
-* a logical payload that contains the magic at a 4-byte aligned offset is split
-  there: the magic itself is dropped, the pieces are written with cflag 1 (first),
-  2 (middle) and 3 (last), and a reader re-inserts the magic between pieces. A payload
-  without an aligned magic is one part with cflag 0.
-
-An image record payload is ``IRHeader`` (``struct 'IfQQ'``: flag, label, id, id2)
-followed, when ``flag > 0``, by ``flag`` float32 labels, then the encoded image bytes
-(``mx.recordio.pack``). The ``.idx`` file holds one ``key\\toffset`` line per record,
-offset = byte position of the record's first magic in the ``.rec``.
-
-Every problem is reported as :class:`DataError` naming the file and the record.
+The format is dmlc-core's ``recordio.cc`` (what MXNet and DALI's ``readers.mxnet`` read);
+an image record is an ``IRHeader`` with float32 labels, then the encoded image. Every
+problem is reported as :class:`DataError` naming the file and the record.
 """
 
 from __future__ import annotations
@@ -32,6 +18,10 @@ import numpy as np
 from ..errors import DataError
 from .tokens import label_problem
 
+# Each physical record: uint32 magic, uint32 (cflag << 29 | length), the bytes zero-padded
+# to 4. A payload holding the magic at an aligned offset is split there (the magic is
+# dropped, parts get cflag 1/2/3, a reader re-inserts it); otherwise one part, cflag 0.
+# The .idx file holds one "key\toffset" line per record (offset of its first magic).
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
 _LEN_MASK = (1 << 29) - 1

@@ -1,32 +1,8 @@
 """PyTorch ``DataLoader`` fallback with the DALI loader's contract.
 
-Yields ``(images float32 (B, 3, S, S), tokens int64 (B, 231))``; has ``len()`` and
-``reset()``; reads ``.rec``/``.idx`` (via the pure-Python RecordIO reader) and
-WebDataset shards with a ``tok`` component (via byte ranges from the tar headers).
-
-Choices (documented because they differ in detail from DALI):
-
-* Sharding: every epoch all N samples are permuted with ``seed + epoch`` (the same on
-  every rank) and rank r takes the contiguous slice ``[N*r//W, N*(r+1)//W)``, so ranks
-  are disjoint and together complete within an epoch (DALI shards contiguously and
-  rotates shards between epochs; the coverage property is the same).
-* Training batches are always full and every rank has the same number of batches
-  ``ceil(max shard size / B)``: a short shard is filled by wrapping around its own
-  permutation (DALI's FILL policy with padded shards). Evaluation is in file order,
-  unshuffled, with a partial last batch.
-* Augmentation randomness comes from a per-sample ``random.Random`` seeded by
-  ``(seed, rank, epoch, index)``, so results do not depend on the number of workers.
-  Train: RandomResizedCrop (area 0.7-1.0, aspect 0.8-1.25, 100 attempts, centre crop
-  fallback, as DALI's ``image_random_crop``), resize to S x S bilinear, horizontal flip
-  with p=0.5, CLIP mean/std. Eval: resize the shorter side to ``int(256/224*S)``, centre
-  crop S. JPEGs are decoded with PIL's draft mode at no less than 2S on the short side,
-  by :func:`.decoding.decode_image`, which accepts exactly the images DALI's CPU decoder
-  accepts (on damaged JPEGs, where PIL alone differs at the margin).
-* ``skip_corrupt``: a record that fails to read or decode is replaced by the next
-  readable one of the same shard and counted once per epoch, however many samples met it
-  (``loader.skipped``, also per epoch in ``loader.skipped_epoch``; DALI counts the same
-  way); otherwise a :class:`DataError` naming file and record is
-  raised.
+Yields ``(images float32 (B, 3, S, S), tokens int64 (B, 231))`` from ``.rec``/``.idx`` and
+WebDataset shards with a ``tok`` component. Sharding, full batches, per-sample seeded
+augmentation and ``skip_corrupt`` counting are described in docs/data.md.
 """
 
 from __future__ import annotations

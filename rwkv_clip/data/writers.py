@@ -1,33 +1,8 @@
 """Turn image-caption pairs into training data: MXNet RecordIO or WebDataset shards.
 
-Inputs
-  * a JSONL file (one object per line) or a CSV file with a header, fields ``image``
-    (path, relative paths resolved against the file's folder), ``raw`` (caption;
-    ``caption``/``text`` are accepted as aliases), optional ``synthetic`` and
-    ``generated`` (a missing variant repeats ``raw``); text in UTF-8 unless ``encoding``
-    says otherwise (a line that does not decode is a DataError naming ``file:line``);
-  * a folder of img2dataset WebDataset shards (``NNNNN.tar`` holding ``key.jpg`` (or
-    png/webp/jpeg) + ``key.txt`` and/or ``key.json``; the caption is the ``.txt`` or the
-    json's ``caption``; json keys ``synthetic``/``generated`` are used when present), or
-    img2dataset's default ``files`` layout (``00000/000000000.jpg`` + ``.txt`` + ``.json``);
-  * parquet shards (a ``.parquet`` file, glob or brace list, or a folder of them):
-    img2dataset's parquet output or the Hub's YFCC15M layout, columns as the parquet
-    loader picks them (``image_column`` / ``caption_columns`` override; see
-    :mod:`rwkv_clip.data.parquet`); rows with an img2dataset ``status`` other than
-    ``success`` are skipped and counted; a token-id column is copied as stored.
-
-Outputs
-  * ``PREFIX.rec`` + ``PREFIX.idx`` (keys 0..N-1): IRHeader with flag 231 and the 3 x 77
-    token ids as float32 labels, then JPEG bytes;
-  * or WebDataset shards ``PREFIX-000000.tar``...: ``key.jpg``, ``key.tok`` (231
-    little-endian int32 token ids, read by DALI with dtype INT32), ``key.txt`` (raw
-    caption) and ``key.json`` (all three captions).
-
-Images are stored as JPEG: JPEG input is copied byte for byte unless ``resize`` is set
-or the JPEG is not RGB/greyscale (e.g. CMYK); other formats are re-encoded (quality
-95); 16-bit and float images are scaled to 8 bits (:func:`to_8bit`), not clipped.
-Every image is fully decoded once, so undecodable images are skipped here (and counted
-by reason in the returned summary) rather than failing training later.
+Inputs are JSONL/CSV pairs, img2dataset output or parquet shards; every image is decoded
+once while writing, so undecodable ones are skipped and counted here rather than failing
+training later. The file layouts are in docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The evaluation sets, read from the usual on-disk layouts under ``--data-root``.
 
-Nothing is ever downloaded: torchvision dataset classes are built with
-``download=False`` after checking that the expected files are there, so a missing set
-fails with a message that shows the layout we look for. Class names and prompt
-templates are the original's (``utils/label.json`` / ``utils/template.json``), shipped
-in ``rwkv_clip/eval/data``.
-
-Splits follow the original (``dataloaders/*.py``):
-
-* caltech101 - ``random_split`` of the 8677 images into 3000/5677 with seed 3072; the
-  5677 part is evaluated (``caltech101_split="original"``) or all images (``"all"``).
-* sun397     - ``random_split`` into 19850 train / 19850 test / rest. The original
-  seeded it with ``3072 + hash("sun397") % 2048``, which changes with every Python
-  process (salted string hashing); we use ``3072 + zlib.crc32(b"sun397") % 2048`` and
-  list the images in sorted order, so the split is the same on every run and machine.
-* every other set - the torchvision ``test`` split (imagenet: the ``val`` folder, or the
-  original's ``val.rec`` + ``val.idx``).
+Nothing is downloaded: a missing set fails with a message showing the layout we look
+for. Class names, templates and splits are the original's (shipped in
+``rwkv_clip/eval/data``); the one deviation, a SUN397 split that is the same on every
+machine, is described at :data:`SUN397_SEED`.
 """
 from __future__ import annotations
 
@@ -36,6 +24,9 @@ from ..errors import DataError, DatasetNotFoundError, EvalError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 ORIGINAL_SEED = 3072  # the original zero_shot.py passes seed=3072 to every loader
+# The original seeded SUN397's random_split with 3072 + hash("sun397") % 2048, which
+# changes with every Python process (salted string hashing); crc32 over a sorted file
+# list gives the same 19850/19850 split on every run and machine.
 SUN397_SEED = ORIGINAL_SEED + zlib.crc32(b"sun397") % 2048
 
 # The 11 classification sets of the paper, in the order of its table.

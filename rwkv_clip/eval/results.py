@@ -1,16 +1,6 @@
-"""Result records and reports.
-
-* One JSON per set in LAION-AI/CLIP_benchmark's shape::
-
-    {"dataset": "cifar10", "model": "RWKV_CLIP_B32", "pretrained": "path/to/weights.pt",
-     "task": "zeroshot_classification", "metrics": {"acc1": ..., "acc5": ...,
-     "mean_per_class_recall": ...}, "language": "en", ...}
-
-  Metric values are fractions in [0, 1]; run facts (``headline_metric``, ``headline``,
-  ``num_samples``, ``num_images``, ``num_texts``) sit at the top level, not in ``metrics``.
-* A summary table on stdout (percentages), in the paper's layout.
-* The original's comma-separated line of percentages (one value per classification set,
-  in ``--dataset`` order, the paper's metric per set), appended to a text file.
+"""Result records and reports: one CLIP_benchmark-shaped JSON per set (metric values as
+fractions, run facts at the top level), a summary table on stdout in the paper's layout,
+and the original's comma-separated line of percentages appended to a text file.
 """
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
 """Zero-shot image-text retrieval: MSCOCO 5k / Flickr30k 1k test splits, or any JSONL.
 
-Accepted annotation files:
-
-* JSONL, one object per line: ``{"image": "relative/or/absolute.jpg", "captions": [...]}``
-  (``"caption"`` as a string or list is accepted too, and make_rec's pair format
-  ``{"image", "raw"}``; lines naming the same image are one image with all their captions);
-* the Karpathy-split test files the original reads (ALBEF/BLIP ``coco_karpathy_test.json``,
-  ``flickr30k_test.json``): a JSON list of ``{"image": ..., "caption": [...]}``;
-* Karpathy's own ``dataset_coco.json`` / ``dataset_flickr30k.json``
-  (``{"images": [{"filepath", "filename", "split", "sentences": [{"raw"}]}]}``), of which
-  the ``test`` split is used.
-
-Image paths are relative to the image root; like the original we also try the file name
-alone. The original prefixes every caption with ``"a photo of "`` for COCO and Flickr;
-that stays the default there (``caption_prefix``), JSONL files get no prefix.
-
-Metrics: image->text (``text_retrieval_recall@k``) and text->image
-(``image_retrieval_recall@k``) for k = 1, 5, 10; a query counts when any of its
-positives is among its top k (CLIP_benchmark names, fractions in [0, 1]).
+Reads JSONL pairs and the Karpathy-split files (docs/evaluation.md) and reports
+CLIP_benchmark's image->text and text->image recall@1/5/10.
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """The image preprocessing of each evaluation set, as the original computes it.
 
-* ``imagenet`` - the original reads ``val.rec`` with DALI (``dataloaders/imagenet.py``):
-  decode to RGB, resize so that the shorter side is ``int(256 / 224 * S)`` keeping the
-  aspect ratio (``mode="not_smaller"``, triangular filter = antialiased linear), centre
-  crop ``S x S``, normalise with the CLIP mean/std. :class:`ImageNetEvalTransform` does
-  the same with PIL's antialiased bilinear filter and DALI's rounding of the resized
-  size (nearest) and of the crop offset (half up). Checked against DALI 2.4's CPU
-  operators on random images: identical sizes and offsets, pixels within 3/255, mean
-  0.15/255 (PIL rounds its 8-bit output, DALI interpolates in float).
-* every other set and retrieval - open_clip's ``image_transform(S, is_train=False)``
-  (bicubic resize of the shorter side to ``S``, centre crop, CLIP mean/std), which the
-  original's ``zero_shot.py`` / ``text_image_retrieval.py`` use for them.
+ImageNet follows the original's DALI pipeline (:class:`ImageNetEvalTransform`); every
+other set and retrieval use open_clip's ``image_transform(S, is_train=False)``, as the
+original's ``zero_shot.py`` / ``text_image_retrieval.py`` do.
 """
 from __future__ import annotations
 
@@ -38,7 +30,13 @@ def _round_half_up(x: float) -> int:
 
 
 class ImageNetEvalTransform:
-    """PIL image -> (3, S, S) float32 tensor by the original's ImageNet protocol."""
+    """PIL image -> (3, S, S) float32 tensor by the original's ImageNet protocol.
+
+    The original's DALI pipeline: resize the shorter side to ``int(256 / 224 * S)``
+    (``not_smaller``, antialiased linear), centre crop, CLIP mean/std. PIL's antialiased
+    bilinear filter with DALI's rounding of the resized size (nearest) and of the crop
+    offset (half up) matches DALI's CPU operators in sizes and offsets, pixels within
+    3/255 (PIL rounds to 8 bits, DALI interpolates in float)."""
 
     def __init__(self, input_size: int, mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD):
         self.input_size = int(input_size)

@@ -1,22 +1,9 @@
 """One optimizer step over K micro-batches (``--gradient-acc K``), and caption choice.
 
-Modes:
-
-* ``exact`` (default, as open_clip's ``--accum-freq``): first run all K micro-batches
-  without grad and cache their features; then for each micro-batch j recompute its
-  features with grad and compute the contrastive loss of the whole K x m batch, with
-  the other micro-batches' cached features in place. Summing the K backward passes
-  gives exactly the gradient of one batch of K x m with all its negatives. Two details
-  make it exact where open_clip is not: the torch RNG state captured before each
-  micro-batch's cached forward is restored before its recompute (same dropout / drop
-  path masks), and ``logit_scale`` (and SigLIP's ``logit_bias``) takes part in only one
-  of the K backward passes (otherwise its gradient would count K times). The same holds
-  for either loss (CLIP's softmax or SigLIP's sigmoid loss), which sees one batch of K x m.
-* ``mean``: loss of each micro-batch on its own, divided by K, backward each (cheaper:
-  one forward per micro-batch, but only m negatives per sample).
-
+``exact`` mode (open_clip's ``--accum-freq``) gives exactly the gradient of one batch of
+K x m with all its negatives; ``mean`` mode averages K independent micro-batch losses.
 :func:`train_step` is the one optimizer step the trainer, the memory planner and the
-tests run.
+benchmarks run.
 """
 from __future__ import annotations
 
@@ -128,6 +115,13 @@ class MicroBatchLosses:
     forwards here, without grad. ``loss(model, j)`` then runs micro-batch j's forward
     with grad (``model`` may be the DDP wrapper, so the caller decides about gradient
     sync) and returns the tensor to call ``backward`` on, before asking for j + 1.
+
+    Exact mode recomputes micro-batch j with grad and computes the loss of the whole
+    K x m batch with the other micro-batches' cached features in place, so the K
+    backward passes sum to the gradient of one K x m batch. Two details make it exact
+    where open_clip is not: the RNG state captured before each cached forward is
+    restored before its recompute (same dropout and drop-path masks), and the logit
+    scale (and SigLIP's bias) takes part in one backward pass only.
     """
 
     def __init__(self, model: nn.Module, micro_batches: Sequence[MicroBatch],

@@ -1,16 +1,8 @@
 """Command line of ``train.py``: every flag of the original, plus the new ones.
 
-Model (tower) settings come from one config, the ``--config`` JSON or, without it, the
-shipped ``RWKV_CLIP_small`` (the CPU-friendly default); every tower flag given on the
-command line overrides its key. The original's launch scripts pass every tower setting
-their model needs (shell/train_RWKV_CLIP_B32_YFCC15M.sh resolves to exactly
-RWKV_CLIP_B32.json's model), and a new ``--n-embd`` re-derives ``dim_att``/``dim_ffn``
-unless those are given too.
-
-``--precision``, ``--dropout``, ``--workers`` and ``--open-checkpoint`` also fall back
-to the config's ``precision``, ``dropout``, ``workers`` and ``with_cp`` when not given.
-The resolved model fields are stored flat on the namespace (as the original's ``args``)
-and collected in ``args.model_config`` (what checkpoints record).
+Tower settings come from one config (``--config``, default ``RWKV_CLIP_small``); a tower
+flag on the command line overrides its key. The resolved fields are stored flat on the
+namespace, as the original's ``args``, and in ``args.model_config`` for checkpoints.
 """
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
 """Training checkpoints: atomic writes, ``epoch_latest.pt``, and resume.
 
-A checkpoint is one ``torch.save`` dict, readable with ``weights_only=True``:
-
-* ``state_dict``: the unwrapped model's state dict (no ``module.``), which
-  ``create_RWKV_Model(args, model_weight_path=...)`` loads directly;
-* ``optimizer`` and ``scaler`` (or None) state dicts;
-* ``step`` (optimizer steps done), ``epoch`` (current epoch), ``batch_in_epoch``
-  (micro-batches of that epoch already consumed: the data position), ``total_steps``
-  (the schedule's length);
-* ``rng``: per rank, torch CPU (and CUDA) generator states, numpy's and Python's ``random``;
-* ``args``: the training arguments (JSON-safe values), ``model_config``.
-
-Format 1 also holds a ``scheduler`` state dict; it loads and resumes the same, the entry
-is ignored.
-
-Writes go to a temporary file in the same folder, are flushed to disk, then renamed
-over the target, so a crash never leaves a half-written checkpoint under a real name.
-``epoch_latest.pt`` is updated last (hard link of the new file, renamed into place).
+A checkpoint is one ``torch.save`` dict readable with ``weights_only=True`` (its entries
+are listed in docs/training.md); writes go to a temporary file that is renamed into
+place, so a crash never leaves a half-written file under a real name.
 """
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""Training logs: a progress line, a tqdm bar and TensorBoard scalars.
+"""Training logs: a progress line, a tqdm bar and TensorBoard scalars, from rank 0 only.
 
-Only rank 0 writes anything. Every ``--log-every`` optimizer steps a progress line goes
-to the console and ``OUTPUT/training.log``. The default (``--log-format plain``)::
-
-    12:04:31 epoch 3/7 step 255/441 loss 1.81 lr 4.5e-4 102 pairs/s eta 3:10
-
-(loss: mean since the previous line; pairs/s: image-text pairs per second over all
-ranks; eta: minutes:seconds of training left). ``--log-format original`` writes the
-original's ``SpeedCallBack`` line behind its ``Training: <date time>-`` prefix::
-
-    rank:<samples/s this rank> total:<samples/s all ranks> lr:[<lr>] step:<step>
-    amp:<grad scale> required:<hours left> hours [<mean loss since last line>]
-
-``rwkv_clip.report`` reads both formats back from ``training.log``.
+``--log-format plain`` (default) writes ``12:04:31 epoch 3/7 step 255/441 loss 1.81 lr
+4.5e-4 102 pairs/s eta 3:10``; ``--log-format original`` writes the original's
+``SpeedCallBack`` line. :mod:`rwkv_clip.report` reads both back from ``training.log``.
 """
 from __future__ import annotations
 

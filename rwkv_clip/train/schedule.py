@@ -1,18 +1,9 @@
 """Learning-rate schedules as pure functions of the optimizer step.
 
-``lr_at(step, ...)`` gives the learning rate (and, for ``cosine``, beta1) to use for the
-optimizer step that follows ``step`` completed steps. It holds no state, so a resumed run
-only needs the step counter: there is no scheduler object to save, load or fast-forward,
-and a run whose length changed on resume simply continues the new schedule.
-
-* ``cosine``: the original's ``OneCycleLR(max_lr=lr, pct_start=0.1)`` with PyTorch's
-  defaults, which the original kept: start at lr / 25 (``div_factor``), cosine warmup to
-  lr over the first ``warmup`` fraction of the steps, cosine anneal to lr / 25 / 1e4
-  (``final_div_factor``), and beta1 (SGD: momentum) cycled 0.95 -> 0.85 -> 0.95 the other
-  way round. The original passed ``steps_per_epoch``/``epochs``; the schedule depends only
-  on their product, ``total_steps``.
-* ``linear``: the original's ``LinearLR(start_factor=1, end_factor=0)``: lr down to 0
-  over all steps, no warmup, beta1 left as given.
+``lr_at(step, ...)`` holds no state, so a resumed run needs only the step counter and a
+run whose length changed on resume continues the new schedule. ``cosine`` is the
+original's ``OneCycleLR(max_lr=lr, pct_start=0.1)`` with PyTorch's defaults, beta1
+cycled; ``linear`` is its ``LinearLR(1 -> 0)``.
 """
 from __future__ import annotations
 
