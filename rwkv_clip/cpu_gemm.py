@@ -94,7 +94,8 @@ def cpu_linear_uses_onednn() -> bool:
     ``auto`` (default): on AMD x86 CPUs, where MKL's sgemm trails oneDNN's JIT kernels on
     the towers' wide products (see docs/performance.md); torch's default elsewhere.
     ``onednn`` / ``mkl`` force either. Only products with both weight dimensions >= 512
-    qualify (narrower ones are slower), and the backward products stay torch's. Read once from ``RWKV_CLIP_CPU_LINEAR``
+    qualify (narrower ones are slower); of the backward products, the input gradient's is
+    oneDNN's too in eager mode, the weight gradient's torch's. Read once from ``RWKV_CLIP_CPU_LINEAR``
     (:func:`cpu_matmul_choice_reset` forgets it). TorchScript traces keep ``aten.linear``;
     ``torch.compile`` sees the operator ``rwkv_clip::onednn_linear``.
     """

@@ -19,7 +19,7 @@ from .layers import (
     DropPath,
     Linear,
     PatchEmbed,
-    lerp,
+    lerp_split,
     q_shift_multihead,
     relu_square,
     resize_pos_embed,
@@ -115,8 +115,8 @@ class VRWKV_ChannelMix_V6(nn.Module):
         # Note the convention: spatial_mix_* weights x itself (the text tower's time_maa_k
         # weights the shifted neighbour instead): x * m + shifted * (1 - m), both in one lerp.
         mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(x.dtype)
-        xk, xr = lerp(shifted, x, mix).unbind(0)
-        k = relu_square(self.key(xk))
+        xk, xr = lerp_split(shifted, x, mix)
+        k = relu_square(self.key(xk), inplace=True)
         if self.key_norm is not None:
             k = self.key_norm(k)
         return torch.sigmoid(self.receptance(xr)) * self.value(k)

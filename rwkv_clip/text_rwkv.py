@@ -15,7 +15,7 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from .config import ModelArgs, complete_args
-from .layers import Linear, bidirectional_shift_multihead, lerp, relu_square
+from .layers import Linear, bidirectional_shift_multihead, lerp_split, relu_square
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,
@@ -86,8 +86,8 @@ class RWKV_CMix_V6(nn.Module):
         x = x.to(glue_dtype(x))
         shifted = bidirectional_shift_multihead(x, 1, self.args.head_size)
         mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(x.dtype)
-        xk, xr = lerp(x, shifted, mix).unbind(0)
-        k = relu_square(self.key(xk))
+        xk, xr = lerp_split(x, shifted, mix)
+        k = relu_square(self.key(xk), inplace=True)
         return torch.sigmoid(self.receptance(xr)) * self.value(k)
 
 

@@ -58,15 +58,30 @@ def test_saves_what_group_norm_saves():
     assert sizes == [98 * 8, 98 * 8, 98 * 640]
 
 
+def test_fp32_input_under_cpu_autocast_is_normalised_in_fp32():
+    norm = _norm(8, 64)
+    x = torch.randn(10, 64, requires_grad=True)
+    grad = torch.randn(10, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = head_group_norm(x, norm)
+        theirs = norm(x)
+    assert ours.dtype == theirs.dtype == torch.float32
+    assert type(ours.grad_fn.next_functions[0][0]).__name__.startswith("_HeadNorm")
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # GroupNorm itself
+        assert torch.equal(head_group_norm(x, norm), norm(x))
+    for a, b in zip(torch.autograd.grad(ours, (x, norm.weight, norm.bias), grad),
+                    torch.autograd.grad(theirs, (x, norm.weight, norm.bias), grad), strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_other_cases_are_group_norm_itself():
-    """bf16 input, autocast and TorchScript tracing run nn.GroupNorm unchanged."""
+    """bf16 input and TorchScript tracing run nn.GroupNorm unchanged."""
     norm = _norm(8, 64)
     x = torch.randn(10, 64)
     assert torch.equal(head_group_norm(x.bfloat16(), norm.bfloat16()),
                        norm(x.bfloat16()))
     norm = _norm(8, 64)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(head_group_norm(x, norm), norm(x))
 
     class Wrapped(torch.nn.Module):
         def __init__(self):

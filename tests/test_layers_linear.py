@@ -212,8 +212,8 @@ def test_forced_onednn_without_onednn_is_a_precision_error(fp32_linear, monkeypa
 @onednn
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_linear_matches_torch_and_keeps_its_gradients(fp32_linear, bias):
-    """oneDNN's forward is F.linear within fp32 rounding; the gradients are autograd's own
-    products, bit for bit."""
+    """oneDNN's forward and input gradient are F.linear's within fp32 rounding; the
+    weight and bias gradients are autograd's own products, bit for bit."""
     fp32_linear("onednn")
     torch.manual_seed(5)
     layer = Linear(512, 520, bias=bias)
@@ -224,8 +224,9 @@ def test_onednn_linear_matches_torch_and_keeps_its_gradients(fp32_linear, bias):
     assert _rel(y, y_ref) < 1e-5  # fp32 sums in another order
     g = torch.randn_like(y)
     params = (x, layer.weight) + ((layer.bias,) if bias else ())
-    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(y_ref, params, g),
-                    strict=True):
+    ours, theirs = torch.autograd.grad(y, params, g), torch.autograd.grad(y_ref, params, g)
+    assert ours[0].shape == theirs[0].shape and _rel(ours[0], theirs[0]) < 1e-5
+    for a, b in zip(ours[1:], theirs[1:], strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
     with torch.no_grad():  # no autograd node; a strided input is fine
         xt = torch.randn(11, 3, 512).transpose(0, 1)

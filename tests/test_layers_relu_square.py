@@ -35,14 +35,27 @@ def test_saves_one_tensor_of_the_input_size():
     assert len(saved) == 1 and saved[0].shape == x.shape
 
 
-def test_plain_expression_under_autocast_and_without_grad():
+def test_cpu_autocast_takes_the_short_backward_and_no_grad_none():
     x = torch.randn(4, 8, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = relu_square(x.bfloat16())
-    assert type(y.grad_fn).__name__ == "PowBackward0"  # autocast's own op
+    assert type(y.grad_fn).__name__.startswith("_ReluSquare") and y.dtype == torch.bfloat16
     with torch.no_grad():
         assert relu_square(x).grad_fn is None
     assert type(relu_square(x).grad_fn).__name__.startswith("_ReluSquare")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_without_grad_overwrites_the_scratch_bit_identically(dtype):
+    x = torch.randn(3, 5, 40).to(dtype)
+    expected = torch.square(torch.relu(x))
+    scratch = x.clone()
+    with torch.no_grad():
+        out = relu_square(scratch, inplace=True)
+    assert out.data_ptr() == scratch.data_ptr() and torch.equal(out, expected)
+    leaf = x.clone().requires_grad_(True)  # with grad: the input is left alone
+    relu_square(leaf, inplace=True).sum().backward()
+    assert torch.equal(leaf.detach(), x)
 
 
 def test_gradcheck():

@@ -1,7 +1,7 @@
 """Building blocks shared by the two towers, one concept per file."""
 from .drop_path import DropPath, drop_path
 from .head_norm import head_group_norm
-from .lerp import lerp
+from .lerp import lerp, lerp_split
 from .linear import Linear, conv2d, matmul
 from .patch_embed import PatchEmbed
 from .pos_embed import resize_pos_embed
@@ -9,7 +9,7 @@ from .relu_square import relu_square
 from .shift import bidirectional_shift_multihead, q_shift_multihead
 from .time_mix import TimeMixBase
 
-__all__ = ["DropPath", "drop_path", "head_group_norm", "lerp", "Linear", "conv2d", "matmul",
+__all__ = ["DropPath", "drop_path", "head_group_norm", "lerp", "lerp_split", "Linear", "conv2d", "matmul",
            "PatchEmbed", "resize_pos_embed", "relu_square",
            "bidirectional_shift_multihead", "q_shift_multihead",
            "TimeMixBase"]

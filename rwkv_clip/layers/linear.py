@@ -12,7 +12,8 @@ once per dtype (``RWKV_CLIP_CPU_LOWP_MATMUL=auto|native|fp32`` overrides).
 
 In fp32 on the CPU, ``Linear``'s forward may run oneDNN's matmul instead of torch's
 default sgemm (MKL) for wide products (:func:`rwkv_clip.cpu_gemm.cpu_linear_uses_onednn`;
-``RWKV_CLIP_CPU_LINEAR=auto|onednn|mkl``); the backward products are autograd's own.
+``RWKV_CLIP_CPU_LINEAR=auto|onednn|mkl``), and so may the input gradient's product in
+eager mode; the weight gradient's is torch's mm.
 """
 from __future__ import annotations
 
@@ -124,7 +125,10 @@ def _onednn_linear_backward(ctx: Any, grad: torch.Tensor):
     g = grad.reshape(-1, grad.shape[-1])
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:
-        grad_x = (g @ weight).view(x.shape)
+        # g @ weight: oneDNN too (as a linear with the transposed weight) in eager mode,
+        # where it beats MKL's sgemm as in the forward; compiled graphs keep the mm
+        grad_x = (g @ weight if torch.compiler.is_compiling()
+                  else _onednn_matmul(g, weight.t(), None)).view(x.shape)
     if ctx.needs_input_grad[1]:
         grad_w = g.t() @ x.reshape(-1, x.shape[-1])
     if ctx.has_bias and ctx.needs_input_grad[2]:

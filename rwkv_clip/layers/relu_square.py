@@ -4,8 +4,10 @@ autograd runs the pair's backward as pow's (``grad * (2 * r.pow(1))``, three pas
 the (B, T, 4C) tensor) then relu's mask (a fourth); here it is ``(grad * r) * 2``, two
 passes, from the one tensor both save (r = relu(x)). The values are bit-identical: the
 forward is the same two ops, and scaling by 2 commutes with rounding (where r is 0 the
-product is a zero too, the mask's job). Under autocast the plain expression is kept,
-so that autocast's own casting rules (pow runs in fp32 on CUDA) apply unchanged.
+product is a zero too, the mask's job). CPU autocast leaves both ops in the input's dtype,
+so it takes the same path; under CUDA autocast the plain expression is kept, so that
+autocast's own casting rules (pow runs in fp32 there) apply unchanged. Without grad and
+with ``inplace=True`` the two ops overwrite x instead of allocating two new tensors.
 """
 from __future__ import annotations
 
@@ -27,9 +29,14 @@ class _ReluSquare(torch.autograd.Function):
         return (grad * r).mul_(2)
 
 
-def relu_square(x: torch.Tensor) -> torch.Tensor:
-    """``torch.square(torch.relu(x))`` (same values and saved tensor)."""
-    if (torch.is_autocast_enabled(x.device.type) or not torch.is_grad_enabled()
-            or torch.jit.is_tracing()):
+def relu_square(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``torch.square(torch.relu(x))`` (same values and saved tensor). ``inplace``: x is
+    the caller's scratch, overwritten with the result where nothing needs its gradient."""
+    if torch.jit.is_tracing() or (x.device.type != "cpu"
+                                  and torch.is_autocast_enabled(x.device.type)):
+        return torch.square(torch.relu(x))
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        if inplace and not torch.compiler.is_compiling():
+            return x.relu_().square_()
         return torch.square(torch.relu(x))
     return _ReluSquare.apply(x)

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..ops import wkv6_bidirectional
 from .head_norm import head_group_norm
-from .lerp import lerp
+from .lerp import lerp, lerp_split
 from .linear import Linear, matmul
 
 TIME_MIX_EXTRA_DIM = 32    # rank of the LoRA that makes the five lerp weights data-dependent
@@ -112,7 +112,7 @@ class TimeMixBase(nn.Module):
         mix = matmul(mix_input, self.time_maa_w2).view(5, B, T, C)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
                          self.time_maa_g)).to(dtype)  # (5, 1, C): broadcasts over (B, T)
-        xw, xk, xv, xr, xg = lerp(x, shifted, mix + maa.unsqueeze(1)).unbind(0)
+        xw, xk, xv, xr, xg = lerp_split(x, shifted, mix + maa.unsqueeze(1))
 
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
         g = F.silu(self.gate(xg))
