@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .json_files import read_json_object
+from .json_files import read_json, read_json_object
 from .transform import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
 WEIGHTS_FILE = "model.safetensors"
@@ -119,12 +119,7 @@ def load_eval_results(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]
                                       "*_zeroshot_classification.json / *_zeroshot_retrieval.json")
             records.extend(load_eval_results(files))
             continue
-        if not path.is_file():
-            raise CheckpointError(f"evaluation results {path} does not exist")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"evaluation results {path}: not valid JSON ({exc})") from None
+        data = read_json(path, label="evaluation results ")
         for record in data if isinstance(data, list) else [data]:
             if not (isinstance(record, dict) and isinstance(record.get("metrics"), dict)
                     and "dataset" in record and record.get("task") in TASK_TYPES):
