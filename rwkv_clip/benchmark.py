@@ -103,6 +103,19 @@ def inference_runner(forward: Callable[..., Any], precision: str, images: torch.
     return run
 
 
+def image_inference_runner(model: Any, precision: str, images: torch.Tensor,
+                           device_type: str = "cpu") -> Callable[[], float]:
+    """encode_image alone without grad, per call: the image tower, where the image size
+    changes the cost."""
+    from .precision import get_precision
+    prec = get_precision(precision, device_type)
+
+    def run() -> float:
+        with torch.no_grad(), prec.autocast():
+            return float(model.encode_image(images).float().sum())
+    return run
+
+
 # What torch.compile leaves as calls: the matrix products and convolutions (inductor calls
 # the same MKL / oneDNN kernels), attention (SDPA) and our WKV kernel (custom operators).
 # Matched against the profiler's operator names, by prefix.

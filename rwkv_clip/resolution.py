@@ -1,7 +1,7 @@
 """Cost against image size: RWKV-CLIP beside an open_clip ViT, both built for each side.
 
-Time (ABBA-interleaved, :mod:`rwkv_clip.benchmark`) and peak memory of inference and a
-training step per side, and their log-log slopes against the number of patch tokens
+Time (ABBA-interleaved, :mod:`rwkv_clip.benchmark`) and peak memory of inference (the image
+tower) and a training step per side, and their log-log slopes against the patch tokens
 (1: linear, 2: quadratic). Used by ``scripts/bench_resolution.py``.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .benchmark import (
     MEMORY_METHODS,
     PRECISIONS,
     build_open_clip,
-    inference_runner,
+    image_inference_runner,
     interleaved,
     make_inputs,
     open_clip_shapes,
@@ -121,8 +121,8 @@ def run_case(sweep: Sweep, task: str, precision: str, side: int, tokens: int,
             held[name] = partial(resident_bytes, model, run.optimizer,  # type: ignore[attr-defined]
                                  images, tokens_in)
         else:
-            run = inference_runner(model, precision, images, tokens_in, dev.type)
-            held[name] = partial(resident_bytes, model, images, tokens_in)
+            run = image_inference_runner(model, precision, images, dev.type)
+            held[name] = partial(resident_bytes, model, images)
         runners[name] = run
     memory: dict[str, tuple[int, int]] = {}
 
