@@ -178,8 +178,7 @@ def captions(attrs: dict, rng: np.random.Generator) -> tuple[str, str, str]:
     and the shape; none names the position or the background. Those are in the picture
     but not in the text on purpose: a caption that named colour, position and background
     would tell most pairs of a 64-batch apart without the shape (6 x 9 x 12 combinations),
-    and the contrastive loss would then barely need shape at all (the v2 set: zero-shot
-    top-1 stuck near 35%, top-5 100%)."""
+    and the contrastive loss would then barely need shape at all."""
     c, s, z = attrs["color"], attrs["shape"], attrs["size"]
     raw = f"{_a(c)} {c} {s}"
     synthetic = f"{_a(z)} {z} {c} {s}"
