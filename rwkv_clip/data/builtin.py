@@ -1,16 +1,8 @@
 """A built-in, procedurally generated image-text dataset (no download needed).
 
-Each 64 x 64 image shows one shape (circle, square, triangle, cross, star) in one of six
-well-separated colours, with a random size, position (a jittered 3 x 3 grid), slight
-rotation and background; shapes are large so that they stay legible after the training
-crop and the resize to a small model's input. Three captions per image (the raw /
-synthetic / generated variants, see :func:`captions`) name colour and shape. Zero-shot
-classes are colour x shape (30 classes): a held-out image folder with ``classnames.json``
-and ``templates.json``, drawn from its own random stream; a held-out ``val`` .rec serves
-retrieval. Everything is generated deterministically from ``seed`` into
-``<root>/builtin/<version-hash>/`` (``root``: ``$RWKV_CLIP_CACHE`` or
-``~/.cache/rwkv_clip``), written to a temporary folder and renamed into place, so
-concurrent ranks are safe and a finished folder is reused.
+64 x 64 images of coloured shapes with captions naming colour and shape, a retrieval
+split and a 30-class zero-shot folder (:func:`ensure_builtin_dataset`), so training and
+evaluation run anywhere.
 """
 
 from __future__ import annotations
@@ -135,7 +127,13 @@ def _background(rng: np.random.Generator, name: str, style: str, size: int) -> n
 
 
 def render(rng: np.random.Generator, size: int = IMAGE_SIZE):
-    """Draw one random sample -> (PIL image, attribute dict)."""
+    """Draw one random sample -> (PIL image, attribute dict).
+
+    One shape (circle, square, triangle, cross, star) in one of six well-separated colours,
+    with a random size, position (a jittered 3 x 3 grid), slight rotation and background;
+    shapes are large so that they stay legible after the training crop and the resize to a
+    small model's input.
+    """
     shape = SHAPES[rng.integers(len(SHAPES))]
     color = list(COLORS)[rng.integers(len(COLORS))]
     size_name = list(SIZES)[rng.integers(len(SIZES))]
@@ -180,8 +178,7 @@ def captions(attrs: dict, rng: np.random.Generator) -> tuple[str, str, str]:
     and the shape; none names the position or the background. Those are in the picture
     but not in the text on purpose: a caption that named colour, position and background
     would tell most pairs of a 64-batch apart without the shape (6 x 9 x 12 combinations),
-    and the contrastive loss would then barely need shape at all (the v2 set: zero-shot
-    top-1 stuck near 35%, top-5 100%)."""
+    and the contrastive loss would then barely need shape at all."""
     c, s, z = attrs["color"], attrs["shape"], attrs["size"]
     raw = f"{_a(c)} {c} {s}"
     synthetic = f"{_a(z)} {z} {c} {s}"
@@ -264,7 +261,16 @@ def default_cache_root() -> str:
 def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 6000,
                            num_val: int = 500, zeroshot_per_class: int = 10,
                            image_size: int = IMAGE_SIZE) -> BuiltinDataset:
-    """Generate (once) and return the built-in dataset. See the module docstring."""
+    """Generate (once) and return the built-in dataset.
+
+    Training pairs (three captions each, see :func:`captions`), a held-out ``val`` .rec for
+    retrieval, and a zero-shot image folder of the colour x shape classes (30) with
+    ``classnames.json`` and ``templates.json``, drawn from its own random stream.
+    Everything is generated deterministically from ``seed`` into
+    ``<root>/builtin/<version-hash>/`` (``root``: ``$RWKV_CLIP_CACHE`` or
+    ``~/.cache/rwkv_clip``), written to a temporary folder and renamed into place, so
+    concurrent ranks are safe and a finished folder is reused.
+    """
     spec = {"version": BUILTIN_VERSION, "seed": int(seed), "num_train": int(num_train),
             "num_val": int(num_val), "zeroshot_per_class": int(zeroshot_per_class),
             "image_size": int(image_size)}

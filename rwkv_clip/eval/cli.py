@@ -2,11 +2,7 @@
 :func:`zero_shot_main` / :func:`retrieval_main`).
 
 Both accept every flag of the original scripts of that name, so its evaluation shell
-scripts (``shell/test_zero_shot_*.sh``) run with only their paths filled in: the
-architecture flags override the chosen config, ``--precision`` is accepted and, as in the
-original, does not change how evaluation computes (fp32; ``--amp`` opts into autocast).
-The data root the original hard-codes in its ``dataloaders/`` comes from ``--data-root``
-or the ``RWKV_CLIP_DATA_ROOT`` environment variable.
+scripts run with only their paths filled in (docs/evaluation.md).
 """
 from __future__ import annotations
 

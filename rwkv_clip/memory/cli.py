@@ -1,15 +1,8 @@
-"""``python -m rwkv_clip.memory``: the planner's command line.
+"""``python -m rwkv_clip.memory``: the planner's command line (docs/training.md).
 
-    python -m rwkv_clip.memory --config model_config/RWKV_CLIP_B32.json --batch-size 256 \
-        --precision bf16 [--input-size 896] [--checkpointing] [--gradient-acc K] [--gpus N] \
-        [--measure] [--json]
-
-The flags mean what train.py's do: ``--batch-size`` is the micro-batch per GPU (one
-forward/backward), ``--gradient-acc K`` micro-batches make one optimizer step, so a GPU
-sees batch-size x K pairs per step and the loss scores batch-size x K x gpus of them.
-
-User errors (a missing or bad config, a bad flag value) are one line ``error: ...`` and exit
-status 2 (:func:`rwkv_clip.errors.run_cli`).
+The flags mean what train.py's do (``--batch-size`` per GPU, ``--gradient-acc K``
+micro-batches per step), so a training command's values can be copied. User errors are
+one line ``error: ...`` and exit status 2 (:func:`rwkv_clip.errors.run_cli`).
 """
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """Lazy builds of the native WKV kernels: nothing runs at import. :func:`get_cpu_kernel`
-and :func:`get_cuda_kernel` compile on first use with ``torch.utils.cpp_extension``
-(ninja) into the cache (:mod:`.cache`), with the toolchain :mod:`.toolchain` finds:
-
-* CPU  - one build for every head size and sequence length (both runtime arguments), for
-  the machine's own instruction set (``-march=native``; the tag in its name says which),
-  with a portable build as the fallback.
-* CUDA - one build per (variant, head size N); any sequence length.
-
-Size and toolchain problems raise :class:`rwkv_clip.errors.WKVError` before any compiler
-runs; a failed compile raises :class:`rwkv_clip.errors.KernelBuildError` ending with the
-compiler's last lines.
+(one build for every head size and sequence length) and :func:`get_cuda_kernel` (one per
+variant and head size) compile on first use with ``torch.utils.cpp_extension`` into the
+cache (:mod:`.cache`). Size and toolchain problems raise :class:`rwkv_clip.errors.WKVError`
+before any compiler runs; a failed compile, :class:`rwkv_clip.errors.KernelBuildError`.
 """
 from __future__ import annotations
 

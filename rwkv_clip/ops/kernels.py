@@ -1,20 +1,8 @@
 """The native WKV kernels as PyTorch operators: ``torch.ops.rwkv_clip.wkv6_forward`` and
-``torch.ops.rwkv_clip.wkv6_backward``.
+``torch.ops.rwkv_clip.wkv6_backward`` (dtypes at :func:`wkv6_forward`).
 
-Both are :func:`torch.library.custom_op` operators with CPU and CUDA implementations
-(the compiled kernels of :mod:`rwkv_clip.ops.build`), fake implementations giving
-shapes and dtypes (meta tensors, FakeTensor, ``torch.compile``), and autograd joining
-them. To ``torch.compile`` they are opaque calls, so a compiled model has no graph
-break at the WKV op, and nothing of the build machinery is traced: a kernel is built
-or loaded the first time an implementation runs and then found in a dict.
-
-Dtypes: y is float32 (B, T, C); each gradient comes back in its input's dtype. The CPU
-kernel reads every input in its own dtype (fp32, bf16, fp16, fp64); the CUDA kernels
-take r, k, v in one dtype, w in fp32 or that dtype, u in fp32, so the CUDA
-implementation converts on the device where the inputs do not fit.
-
-The two operators are registered when this module is imported (as any
-``torch.library`` operator); nothing is compiled then.
+Custom operators with fake implementations and autograd, opaque to ``torch.compile``;
+registered at import, built or loaded the first time one runs (docs/wkv.md).
 """
 from __future__ import annotations
 
@@ -32,7 +20,12 @@ DEFAULT_VARIANT = build.DEFAULT_CUDA_VARIANT
 @torch.library.custom_op("rwkv_clip::wkv6_forward", mutates_args=(), device_types="cpu")
 def wkv6_forward(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor,
                  cuda_variant: str = DEFAULT_VARIANT) -> Tensor:
-    """Bidirectional WKV6 forward; ``cuda_variant`` picks the CUDA kernel (ignored on CPU)."""
+    """Bidirectional WKV6 forward; ``cuda_variant`` picks the CUDA kernel (ignored on CPU).
+
+    y is float32 (B, T, C). The CPU kernel reads every input in its own dtype (fp32, bf16,
+    fp16, fp64); the CUDA kernels take r, k, v in one dtype, w in fp32 or that dtype, u in
+    fp32, so the CUDA implementation converts on the device where the inputs do not fit.
+    The backward returns each gradient in its input's dtype."""
     mod = build.get_cpu_kernel()
     return mod.forward(r.contiguous(), k.contiguous(), v.contiguous(), w.contiguous(),
                        u.contiguous())
