@@ -359,11 +359,14 @@ def table(cases: Sequence[Case]) -> dict[str, Any]:
 def parse_list(text: str, kind: Callable[[str], Any], allowed: Sequence | None,
                flag: str) -> list:
     """A comma-separated flag value, each item converted and checked."""
-    items = [kind(item) for item in text.split(",") if item.strip()]
+    try:
+        items = [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:  # int("x")
+        items = []
     bad = [i for i in items if allowed is not None and i not in allowed]
     if not items or bad:
-        raise ConfigError(f"{flag} {text!r}: expected a comma-separated list of "
-                          f"{list(allowed) if allowed else 'values'}")
+        what = list(allowed) if allowed else getattr(kind, "__name__", "values")
+        raise ConfigError(f"{flag} {text!r}: expected a comma-separated list of {what}")
     return items
 
 

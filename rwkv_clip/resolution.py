@@ -214,8 +214,8 @@ def slopes(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_sweep(sweep: Sweep, log: Callable[[str], None]) -> dict[str, Any]:
-    """Every case the sweep asks for, sides ascending (a side's models are built once for
-    its inference and training cases); a case predicted to end past ``max_seconds`` is
+    """Every case the sweep asks for, sides (inference and training ones) ascending (a
+    side's models are built once for its inference and training cases); a case predicted to end past ``max_seconds`` is
     skipped with its prediction."""
     from .config import load_model_configs
     t0 = time.perf_counter()
@@ -243,7 +243,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None]) -> dict[str, Any]:
             total += seconds * (sweep.warmup_for(task) + sweep.repeats)
         return total
 
-    for side in sweep.sides:
+    for side in sorted({*sweep.sides, *sweep.train_sides}):
         tokens = (side // patch) ** 2
         models: dict[str, torch.nn.Module] = {}
         for task in sweep.tasks:

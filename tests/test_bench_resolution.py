@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from rwkv_clip.benchmark import interleaved, peak_memory, resident_bytes
+from rwkv_clip.benchmark import interleaved, parse_list, peak_memory, resident_bytes
 from rwkv_clip.config import load_model_configs
+from rwkv_clip.errors import ConfigError
 from rwkv_clip.resolution import (
     OURS,
     THEIRS,
@@ -20,6 +21,7 @@ from rwkv_clip.resolution import (
     loglog_slope,
     predict_seconds,
     run_case,
+    run_sweep,
     slopes,
 )
 
@@ -144,6 +146,19 @@ def test_a_model_that_fails_is_dropped_with_its_error():
     assert slopes([case]) == [{"model": OURS, "task": "infer", "precision": "fp32",
                                "sides": [16], "time_slope": None, "memory_slope": None,
                                "step_memory_slope": None}]
+
+
+def test_training_sides_outside_the_inference_sides_run_too():
+    result = run_sweep(tiny_sweep(versus=None, sides=[16], train_sides=[32], repeats=1),
+                       lambda line: None)
+    assert [(c["task"], c["side"]) for c in result["cases"]] == [("infer", 16), ("train", 32)]
+
+
+def test_a_list_flag_with_a_non_number_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"--sides '224,x': expected a comma-separated "
+                                          r"list of int"):
+        parse_list("224,x", int, None, "--sides")
+    assert parse_list("224, 448", int, None, "--sides") == [224, 448]
 
 
 def _script(repo_root, *flags):
