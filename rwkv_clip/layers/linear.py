@@ -87,8 +87,9 @@ def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 # An operator (torch.library), so that torch.compile keeps it as one opaque call: inductor
 # would otherwise see aten.linear and run MKL's sgemm (its own lowering of the oneDNN op
-# needs frozen weights). The backward products are autograd's own (the same mm calls as
-# F.linear's backward, also visible to the compiler); the saved tensors are F.linear's.
+# needs frozen weights). In the backward the input gradient's product is oneDNN's too in
+# eager mode, the other products torch's (visible to the compiler); the saved tensors are
+# F.linear's.
 @torch.library.custom_op("rwkv_clip::onednn_linear", mutates_args=(), device_types="cpu")
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
