@@ -99,12 +99,6 @@ wkv6_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------ entry point
-def check_cuda_sizes(N: int) -> None:
-    """Raise :class:`WKVError` for a head size the CUDA kernels do not support, before any
-    build (every sequence length is supported)."""
-    build.check_cuda_head_size(N)
-
-
 def run_native(backend: str, r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor,
                variant: str | None = None) -> Tensor:
     """Run the native kernel of ``backend`` ("cpu" or "cuda"); returns float32 (B, T, C).
@@ -115,7 +109,7 @@ def run_native(backend: str, r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tens
         return wkv6_forward(r, k, v, w, u)
     if backend == "cuda":
         variant = build.resolve_cuda_variant(variant)
-        check_cuda_sizes(u.shape[1])
+        build.check_cuda_head_size(u.shape[1])  # a WKVError before any build
         return wkv6_forward(r, k, v, w, u, variant)
     raise WKVError(f"run_native: no native kernel for backend {backend!r}; expected 'cpu' or "
                    "'cuda'")
