@@ -591,7 +591,22 @@ def test_compiled_model_matches_eager_with_no_graph_break():
 
 
 # ------------------------------------------------------- the CPU kernel's instruction set
-def test_cpu_build_targets_this_machines_instruction_set(monkeypatch):
+@pytest.fixture
+def fresh_env_overrides():
+    """The cached environment overrides read afresh in the test and after it."""
+    build.reset_env_overrides()
+    yield
+    build.reset_env_overrides()
+
+
+def test_an_unknown_cpu_isa_choice_is_a_wkv_error(monkeypatch, fresh_env_overrides):
+    monkeypatch.setenv(build.CPU_ISA_ENV_VAR, "avx2")
+    with pytest.raises(WKVError, match="RWKV_CLIP_WKV_CPU_ISA='avx2': expected 'native' or "
+                                       "'portable'"):
+        build.cpu_kernel_spec()
+
+
+def test_cpu_build_targets_this_machines_instruction_set(monkeypatch, fresh_env_overrides):
     """The CPU kernel is built with -march=native, named after the level and the exact
     feature set the compiler enables; another feature set is another cache entry, and the
     portable build (explicit flags from /proc/cpuinfo) is yet another."""

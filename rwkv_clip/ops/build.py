@@ -194,7 +194,11 @@ def cpu_kernel_spec(portable: bool | None = None) -> KernelSpec:
     compiler cannot target it; the portable build has the explicit flags of the best
     level /proc/cpuinfo shows (AVX-512 with or without BF16, AVX2, or none)."""
     if portable is None:
-        portable = (env_override(CPU_ISA_ENV_VAR) or "native").strip().lower() == "portable"
+        choice = (env_override(CPU_ISA_ENV_VAR) or "native").strip().lower()
+        if choice not in ("native", "portable"):
+            raise WKVError(f"rwkv_clip: {CPU_ISA_ENV_VAR}={choice!r}: expected 'native' or "
+                           "'portable'")
+        portable = choice == "portable"
     native = None if portable else cpu_native_isa()
     tag, isa = native if native is not None else cpu_isa_flags()
     kind = "native" if native is not None else "portable"
