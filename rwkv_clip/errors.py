@@ -38,6 +38,10 @@ class KernelBuildError(WKVError):
     """Building a native WKV kernel failed; the message ends with the compiler's last lines."""
 
 
+class KernelLockTimeoutError(KernelBuildError):
+    """Another process held a kernel's build lock past the timeout: nothing was compiled."""
+
+
 class DataError(RWKVCLIPError, RuntimeError):
     """A data file is missing, truncated, corrupt or has an unexpected layout.
 
@@ -142,7 +146,7 @@ def run_cli(main: Callable[[], int | None], prog: str | None = None) -> int:
         return EXIT_USER_ERROR
 
 
-__all__ = ["RWKVCLIPError", "ConfigError", "CheckpointError", "WKVError", "KernelBuildError",
+__all__ = ["RWKVCLIPError", "ConfigError", "CheckpointError", "WKVError", "KernelBuildError", "KernelLockTimeoutError",
            "DataError", "DistributedError", "TrainArgsError", "TrainingError", "NonFiniteLossError",
            "ResumeError", "EvalError", "DatasetNotFoundError", "ImageReadError", "PeerRankError",
            "MeasurementError", "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]

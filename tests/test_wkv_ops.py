@@ -639,6 +639,27 @@ def test_cpu_build_targets_this_machines_instruction_set(monkeypatch, fresh_env_
     assert build.cpu_kernel_spec() == portable
 
 
+def test_a_lock_timeout_is_not_a_failed_native_build(tmp_path, monkeypatch):
+    """Waiting too long for another builder's lock neither marks the native build as
+    failed (that would pin this cache to the portable build) nor builds the portable one."""
+    from rwkv_clip.errors import KernelLockTimeoutError
+    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "check_cxx", lambda: None)
+    monkeypatch.setattr(build, "cpu_native_isa", lambda: ("fake_native", ["-march=native"]))
+    tried = []
+
+    def slow_holder(spec, verbose=False):
+        tried.append(spec.base_name)
+        raise KernelLockTimeoutError(f"timed out waiting for {spec.name}/build.lock")
+    monkeypatch.setattr(build, "build_kernel", slow_holder)
+    native, _ = build.cpu_kernel_specs()
+    with pytest.raises(KernelLockTimeoutError):
+        build.get_cpu_kernel()
+    assert tried == [native.base_name]
+    assert build.cpu_kernel_specs()[0] == native  # still tried first next time
+
+
 def test_portable_isa_levels_follow_cpuinfo(monkeypatch):
     cases = [({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
               "avx512bf16", "-mavx512bf16"),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import KernelBuildError, WKVError
+from ..errors import KernelBuildError, KernelLockTimeoutError, WKVError
 from .cache import KernelSpec, build_lock, cache_root, is_built, lock_timeout, module_name
 from .toolchain import (
     check_cxx,
@@ -244,6 +244,8 @@ def get_cpu_kernel(verbose: bool = False):
         for spec in specs[:-1]:
             try:
                 return build_kernel(spec, verbose=verbose)
+            except KernelLockTimeoutError:  # another builder is slow: not a failed compile
+                raise
             except KernelBuildError as e:
                 marker = _native_failed(spec)
                 marker.parent.mkdir(parents=True, exist_ok=True)

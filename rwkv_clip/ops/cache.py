@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import KernelBuildError, WKVError
+from ..errors import KernelLockTimeoutError, WKVError
 
 LOCK_TIMEOUT_ENV_VAR = "RWKV_CLIP_KERNEL_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT_S = 1800.0
@@ -109,7 +109,7 @@ def build_lock(path: Path, timeout: float):
 
     The OS drops the lock when its holder exits or is killed, so a dead builder never
     blocks anyone; a live holder that keeps it past ``timeout`` seconds raises
-    :class:`KernelBuildError` naming the lock file and its holder."""
+    :class:`KernelLockTimeoutError` naming the lock file and its holder."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +124,7 @@ def build_lock(path: Path, timeout: float):
             except BlockingIOError:
                 holder = _lock_holder(path)
                 if time.monotonic() >= deadline:
-                    raise KernelBuildError(
+                    raise KernelLockTimeoutError(
                         f"rwkv_clip: timed out after {timeout:.0f}s waiting for the kernel build "
                         f"lock {path} (held by {holder}); stop that process if it hangs, or raise "
                         f"{LOCK_TIMEOUT_ENV_VAR}") from None
