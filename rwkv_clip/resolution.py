@@ -390,6 +390,8 @@ def sweep_from_flags(ns: Any) -> Sweep:
     if min(ns.batch_size, ns.train_batch_size, ns.warmup, ns.repeats) < 1:
         raise ConfigError("--batch-size, --train-batch-size, --warmup and --repeats must be "
                           "at least 1 (memory is measured on the last warm-up call)")
+    if ns.threads is not None and ns.threads < 1:
+        raise ConfigError(f"--threads {ns.threads}: expected at least 1")
     return Sweep(config=config, versus=None if versus == "none" else versus,
                  sides=sorted(set(sides)), train_sides=sorted(set(train_sides)),
                  tasks=parse_list(ns.tasks, str, TASKS, "--tasks"), precisions=precisions,
@@ -403,7 +405,7 @@ def main(ns: Any) -> int:
     time are listed under "skipped")."""
     from .host_memory import configure_host_malloc
     sweep = sweep_from_flags(ns)
-    if ns.threads:
+    if ns.threads is not None:
         torch.set_num_threads(ns.threads)
     host_malloc = configure_host_malloc(sweep.device)  # as train.py, for both models
 

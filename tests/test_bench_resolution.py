@@ -154,6 +154,18 @@ def test_training_sides_outside_the_inference_sides_run_too():
     assert [(c["task"], c["side"]) for c in result["cases"]] == [("infer", 16), ("train", 32)]
 
 
+def test_a_thread_count_below_one_is_a_config_error():
+    import argparse
+
+    from rwkv_clip.resolution import add_flags, sweep_from_flags
+    ap = argparse.ArgumentParser()
+    add_flags(ap)
+    ns = ap.parse_args(["--config", TINY, "--versus", "none", "--sides", "16", "--device",
+                        "cpu", "--threads", "0"])
+    with pytest.raises(ConfigError, match="--threads 0: expected at least 1"):
+        sweep_from_flags(ns)
+
+
 def test_a_list_flag_with_a_non_number_is_a_config_error():
     with pytest.raises(ConfigError, match=r"--sides '224,x': expected a comma-separated "
                                           r"list of int"):
