@@ -36,6 +36,9 @@ TOWER_KEYS = (
     "tiny_att_layer",
 )
 
+# input_size's flag and open_clip's names for it (train.py, zero_shot.py, the planner).
+INPUT_SIZE_FLAGS = ("--input-size", "--force-image-size", "--image-size")
+
 _NO_DEFAULT = object()
 
 

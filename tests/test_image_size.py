@@ -73,6 +73,16 @@ def test_config_inferred_for_weights_of_another_image_size():
     assert (name, args.input_size) == ("RWKV_CLIP_tiny", 32)
 
 
+@pytest.mark.parametrize("flag", ["--input-size", "--force-image-size", "--image-size"])
+def test_every_image_size_tool_takes_open_clips_flag_names(flag):
+    from rwkv_clip.eval.cli import build_eval_parser
+    from rwkv_clip.memory.cli import build_planner_parser
+    from rwkv_clip.train.args import build_train_parser
+    for parser in (build_train_parser(), build_planner_parser(), build_eval_parser(),
+                   build_eval_parser(retrieval=True)):
+        assert parser.parse_args([flag, "448"]).input_size == 448
+
+
 def test_forward_and_backward_of_4624_image_tokens_on_cpu():
     """272 px at patch 4: 68 x 68 = 4624 image tokens, more than 1024 px at patch 16 gives."""
     model = _tiny(272).train()

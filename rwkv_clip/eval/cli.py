@@ -10,7 +10,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from ..config import str2bool
+from ..config import INPUT_SIZE_FLAGS, str2bool
 from ..errors import EvalError, run_cli
 from ..faults import DEFAULT_DIST_TIMEOUT
 from .runner import ARCH_FLAGS, run
@@ -179,7 +179,7 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     for key in ARCH_FLAGS:
         flag = "--" + key.replace("_", "-")
         typ = str2bool if key in _BOOL_FLAGS else float if key in _FLOAT_FLAGS else int
-        names = [flag]
+        names = list(INPUT_SIZE_FLAGS) if key == "input_size" else [flag]
         if retrieval and key == "image_output_cls_token":
             names.append("--image-output-cls_token")  # the original retrieval script's spelling
         g.add_argument(*names, dest=key, type=typ, default=None,

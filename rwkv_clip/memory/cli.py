@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ..config import INPUT_SIZE_FLAGS
 from ..errors import TrainArgsError, run_cli
 from ..lora import BASE_PRECISIONS, DEFAULT_TARGETS, parse_targets
 from ..precision import canonical_precision
@@ -48,7 +49,7 @@ def build_planner_parser() -> argparse.ArgumentParser:
                                         "train.py's do, so a training command's values can "
                                         "be copied here.")
     ap.add_argument("--config", default=None, help="model config JSON (default: B/32)")
-    ap.add_argument("--input-size", "--image-size", "--force-image-size", dest="input_size",
+    ap.add_argument(*INPUT_SIZE_FLAGS, dest="input_size",
                     type=int, default=None, metavar="PIXELS",
                     help="image side in pixels (train.py's --input-size; default: the "
                          "config's): the image tower sees (side / patch)^2 tokens")
