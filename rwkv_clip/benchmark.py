@@ -24,16 +24,22 @@ MODES = ("eager", "compiled")
 PRECISIONS = ("fp32", "bf16")
 
 
-def build_open_clip(name: str = OPEN_CLIP_DEFAULT, seed: int = 0, **options: Any) -> nn.Module:
-    """open_clip's model ``name``, randomly initialised (pretrained=None: nothing is
-    downloaded; the Hub is put offline for the call); ``options`` go to
-    ``open_clip.create_model`` (e.g. ``force_image_size``)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def import_open_clip() -> Any:
+    """The open_clip module; a :class:`ConfigError` saying how to install it if missing."""
     try:
         import open_clip
     except ImportError as exc:
         raise ConfigError("the open_clip comparison needs open_clip_torch installed "
                           "(pip install open_clip_torch)") from exc
+    return open_clip
+
+
+def build_open_clip(name: str = OPEN_CLIP_DEFAULT, seed: int = 0, **options: Any) -> nn.Module:
+    """open_clip's model ``name``, randomly initialised (pretrained=None: nothing is
+    downloaded; the Hub is put offline for the call); ``options`` go to
+    ``open_clip.create_model`` (e.g. ``force_image_size``)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    open_clip = import_open_clip()
     if name not in open_clip.list_models():
         raise ConfigError(f"open_clip has no model {name!r}; expected one of "
                           f"open_clip.list_models(), e.g. {OPEN_CLIP_DEFAULT!r}")

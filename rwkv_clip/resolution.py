@@ -25,6 +25,7 @@ from .benchmark import (
     PRECISIONS,
     build_open_clip,
     image_inference_runner,
+    import_open_clip,
     interleaved,
     make_inputs,
     open_clip_shapes,
@@ -405,6 +406,7 @@ def main(ns: Any) -> int:
     time are listed under "skipped")."""
     from .host_memory import configure_host_malloc
     sweep = sweep_from_flags(ns)
+    theirs_version = import_open_clip().__version__ if sweep.versus else None
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
     host_malloc = configure_host_malloc(sweep.device)  # as train.py, for both models
@@ -412,10 +414,6 @@ def main(ns: Any) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    theirs_version = None
-    if sweep.versus:
-        import open_clip
-        theirs_version = open_clip.__version__
     dev = sweep.device
     result: dict[str, Any] = {
         "benchmark": "resolution", "config": Path(sweep.config).name, "versus": sweep.versus,

@@ -166,6 +166,19 @@ def test_a_thread_count_below_one_is_a_config_error():
         sweep_from_flags(ns)
 
 
+def test_a_missing_open_clip_is_a_config_error(monkeypatch):
+    import argparse
+
+    from rwkv_clip.resolution import add_flags, main
+    ap = argparse.ArgumentParser()
+    add_flags(ap)
+    monkeypatch.setitem(sys.modules, "open_clip", None)  # import open_clip: ImportError
+    ns = ap.parse_args(["--config", TINY, "--versus", "ViT-B-32", "--sides", "16",
+                        "--device", "cpu"])
+    with pytest.raises(ConfigError, match="pip install open_clip_torch"):
+        main(ns)
+
+
 def test_a_list_flag_with_a_non_number_is_a_config_error():
     with pytest.raises(ConfigError, match=r"--sides '224,x': expected a comma-separated "
                                           r"list of int"):
