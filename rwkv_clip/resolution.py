@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 # our published configs and the open_clip model of the same patch size
 PAIRS = {"B16": ("RWKV_CLIP_B16.json", "ViT-B-16"), "B32": ("RWKV_CLIP_B32.json", "ViT-B-32")}
 SIDES = "224,448,896,1792"
-# a training step at 1792 px takes minutes per model on a few CPU cores
+# the largest side of a training step on the CPU by default (its cost grows with the tokens)
 CPU_TRAIN_MAX_SIDE = 896
 TASKS = ("infer", "train")
 OURS, THEIRS = "rwkv_clip", "open_clip"
