@@ -208,6 +208,23 @@ def test_cuda_size_errors_before_anything_runs():
         build.resolve_cuda_variant("turbo")
 
 
+def test_cuda_kernels_take_an_empty_batch_without_launching(monkeypatch):
+    """B = 0 would launch a grid of zero blocks (a CUDA error): zeros come back instead,
+    nothing is built. The registered CUDA functions are called directly (no GPU here)."""
+    from rwkv_clip.ops import kernels
+
+    def no_build(*a, **k):
+        raise AssertionError("nothing to build for an empty batch")
+    monkeypatch.setattr(build, "get_cuda_kernel", no_build)
+    r, k, v, w = (torch.randn(0, 5, 16, dtype=torch.bfloat16) for _ in range(4))
+    u = torch.randn(2, 8)
+    y = kernels._wkv6_forward_cuda(r, k, v, w, u)
+    assert y.shape == (0, 5, 16) and y.dtype == torch.float32
+    grads = kernels._wkv6_backward_cuda(r, k, v, w, u, torch.zeros(0, 5, 16))
+    assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (r, k, v, w, u)]
+    assert not grads[4].any()
+
+
 def test_cuda_bad_head_size_raises_wkverror_without_compiling(monkeypatch):
     """run_native checks sizes before building: a fake CUDA call never reaches a compiler."""
     from rwkv_clip.ops import kernels

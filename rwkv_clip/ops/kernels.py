@@ -52,6 +52,8 @@ def _cuda_inputs(r, k, v, w, u):
 
 @wkv6_forward.register_kernel("cuda")
 def _wkv6_forward_cuda(r, k, v, w, u, cuda_variant=DEFAULT_VARIANT):
+    if r.numel() == 0:  # an empty batch: a launch of zero blocks is a CUDA error
+        return r.new_zeros(r.shape, dtype=torch.float32)
     mod = build.get_cuda_kernel(u.shape[1], cuda_variant)
     with torch.cuda.device(r.device):
         return mod.forward(*_cuda_inputs(r, k, v, w, u))
@@ -76,6 +78,8 @@ def _wkv6_backward_fake(r, k, v, w, u, gy, cuda_variant=DEFAULT_VARIANT):
 
 @wkv6_backward.register_kernel("cuda")
 def _wkv6_backward_cuda(r, k, v, w, u, gy, cuda_variant=DEFAULT_VARIANT):
+    if r.numel() == 0:
+        return tuple(x.new_zeros(x.shape) for x in (r, k, v, w, u))
     mod = build.get_cuda_kernel(u.shape[1], cuda_variant)
     with torch.cuda.device(r.device):
         grads = mod.backward(*_cuda_inputs(r, k, v, w, u), gy.float().contiguous())
