@@ -37,7 +37,6 @@ from .benchmark import (
 )
 from .errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
 # our published configs and the open_clip model of the same patch size
 PAIRS = {"B16": ("RWKV_CLIP_B16.json", "ViT-B-16"), "B32": ("RWKV_CLIP_B32.json", "ViT-B-32")}
 SIDES = "224,448,896,1792"
@@ -371,7 +370,7 @@ def add_flags(ap: Any) -> None:
 def sweep_from_flags(ns: Any) -> Sweep:
     from .config import load_model_configs, resolve_config_path
     config_name, versus = PAIRS[ns.model]
-    config = str(resolve_config_path(ns.config or str(REPO / "model_config" / config_name)))
+    config = str(resolve_config_path(ns.config or config_name))
     versus = ns.versus or versus
     patch = load_model_configs(config).image_patch_size
     sides = parse_list(ns.sides, int, None, "--sides")

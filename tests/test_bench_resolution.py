@@ -179,6 +179,20 @@ def test_a_missing_open_clip_is_a_config_error(monkeypatch):
         main(ns)
 
 
+def test_the_model_flag_finds_the_shipped_config_where_it_is_installed(tmp_path, monkeypatch):
+    import argparse
+    import shutil
+
+    from rwkv_clip import config
+    from rwkv_clip.resolution import add_flags, sweep_from_flags
+    shutil.copy(config.config_dir() / "RWKV_CLIP_B32.json", tmp_path)
+    monkeypatch.setattr(config, "config_dir", lambda: tmp_path)  # an installed package
+    ap = argparse.ArgumentParser()
+    add_flags(ap)
+    ns = ap.parse_args(["--model", "B32", "--versus", "none", "--sides", "224", "--device", "cpu"])
+    assert sweep_from_flags(ns).config == str(tmp_path / "RWKV_CLIP_B32.json")
+
+
 def test_a_list_flag_with_a_non_number_is_a_config_error():
     with pytest.raises(ConfigError, match=r"--sides '224,x': expected a comma-separated "
                                           r"list of int"):
