@@ -116,7 +116,7 @@ COMMANDS: dict[str, str] = {
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu": "help",
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu --dtype bf16": "help",
     "python -m rwkv_clip.memory --config RWKV_CLIP_B32 --batch-size 16 --precision fp32 "
-    "--device cpu --measure": "help",
+    "--device cpu --measure --json": "help",
     # docs/lora.md: a fine-tune of a trained run (tests/test_lora.py runs the same steps on
     # the tiny config); the planner's B/32 table
     "python train.py --pretrained runs/default/checkpoints/epoch_latest.pt --lora-rank 16 "
