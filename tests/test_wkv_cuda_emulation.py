@@ -403,9 +403,8 @@ def long_reference():
     return get
 
 
-# longer than 1024 px images at patch 16 (4096 tokens); the float64 reference's backward
-# takes most of the time
-LONG_T = [5000, pytest.param(9000, marks=pytest.mark.slow)]
+# longer than 1024 px images at patch 16 (4096 tokens)
+LONG_T = [5000]
 
 
 @pytest.mark.parametrize("T", LONG_T)
