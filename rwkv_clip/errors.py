@@ -146,7 +146,8 @@ def run_cli(main: Callable[[], int | None], prog: str | None = None) -> int:
         return EXIT_USER_ERROR
 
 
-__all__ = ["RWKVCLIPError", "ConfigError", "CheckpointError", "WKVError", "KernelBuildError", "KernelLockTimeoutError",
-           "DataError", "DistributedError", "TrainArgsError", "TrainingError", "NonFiniteLossError",
-           "ResumeError", "EvalError", "DatasetNotFoundError", "ImageReadError", "PeerRankError",
-           "MeasurementError", "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]
+__all__ = ["RWKVCLIPError", "ConfigError", "CheckpointError", "WKVError", "KernelBuildError",
+           "KernelLockTimeoutError", "DataError", "DistributedError", "TrainArgsError",
+           "TrainingError", "NonFiniteLossError", "ResumeError", "EvalError",
+           "DatasetNotFoundError", "ImageReadError", "PeerRankError", "MeasurementError",
+           "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]

@@ -214,9 +214,9 @@ def slopes(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_sweep(sweep: Sweep, log: Callable[[str], None]) -> dict[str, Any]:
-    """Every case the sweep asks for, sides (inference and training ones) ascending (a
-    side's models are built once for its inference and training cases); a case predicted to end past ``max_seconds`` is
-    skipped with its prediction."""
+    """Every case the sweep asks for, over the inference and training sides ascending (a
+    side's models are built once for both tasks); a case predicted to end past
+    ``max_seconds`` is skipped with its prediction."""
     from .config import load_model_configs
     t0 = time.perf_counter()
     args = load_model_configs(sweep.config)
