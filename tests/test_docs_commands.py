@@ -40,7 +40,7 @@ TINY = ("--config RWKV_CLIP_tiny --epochs 1 --max-steps 2 --batch-size 4 --devic
 COMMANDS: dict[str, str] = {
     # the two commands: CI runs them from a fresh clone (.ci/run); here their programs
     "bash scripts/bootstrap.sh && .venv/bin/python train.py": "help",
-    "bash scripts/bootstrap.sh && .venv/bin/python -m pytest --slow -q": "help",
+    "bash scripts/bootstrap.sh && .venv/bin/python -m pytest --slow -q -n 2": "help",
     # training (real data, B/32, 8 GPUs): the flags parse, the run is other tests' job
     "python train.py --help": "run",
     "python train.py --config model_config/RWKV_CLIP_B32.json --train-data /data/yfcc15m "
