@@ -47,13 +47,13 @@ def _hsv(h: float, s: float, v: float) -> tuple[int, int, int]:
 
 COLORS = {c: _hsv(*(sum(band) / 2 for band in bands)) for c, bands in COLOR_BANDS.items()}
 # the training ranges (radius as a fraction of the side, image side in px)
-RADIUS = (0.20, 0.40)
+RADIUS = (0.24, 0.40)
 IMAGE_SIDES = (40, 96)
 BG_KINDS = {"plain": 0.45, "gradient": 0.30, "noisy": 0.25}
 BG_MAX_SATURATION = 0.15
 OUTLINE_P = 0.25  # a darker outline of the fill's own hue
 # the shifted split: outside those ranges
-SHIFTED_RADIUS = ((0.16, 0.19), (0.41, 0.43))
+SHIFTED_RADIUS = ((0.18, 0.22), (0.41, 0.43))
 SHIFTED_SIDES = ((28, 36), (104, 128))
 SHIFTED_BG_KINDS = ["checker", "stripes", "radial", "blobs", "pastel"]
 
@@ -398,7 +398,7 @@ def default_cache_root() -> str:
         os.path.expanduser("~"), ".cache", "rwkv_clip")
 
 
-def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 6000,
+def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 5000,
                            num_val: int = 500, zeroshot_per_class: int = 10
                            ) -> BuiltinDataset:
     """Generate (once) and return the built-in dataset: ``train`` and ``val`` .rec files
