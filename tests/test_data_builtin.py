@@ -153,7 +153,7 @@ def test_default_size_generation_and_builtin_format(tmp_path):
                            log=None)
     took = time.time() - t
     ds = ensure_builtin_dataset(root=str(tmp_path))
-    assert ds.num_train == 6000 and len(L) == 94  # ceil(6000 / 64)
+    assert ds.num_train == 5000 and len(L) == 79  # ceil(5000 / 64)
     assert took < 120, took
     images, tokens = next(iter(L))
     assert images.shape == (64, 3, 32, 32) and tokens.dtype.is_floating_point is False
