@@ -314,7 +314,7 @@ def test_torchcompile_gives_the_eager_features(tmp_path):
     from rwkv_clip.eval.cli import parse_options
     from rwkv_clip.eval.runner import build_eval_model
 
-    images = torch.randn(2, 3, 24, 24)
+    images = torch.randn(2, 3, 32, 32)
     feats = []
     for flags in ([], ["--torchcompile"]):
         opts = parse_options(["--device", "cpu", *flags])
