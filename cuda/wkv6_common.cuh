@@ -1,10 +1,10 @@
 // What the two CUDA WKV6 variants (wkv6_cuda.cu, wkv6_cuda_fast.cu) share: size checks,
 // dtype conversions, the decay formula and the (r/k/v dtype, w dtype) dispatch. Keeping
-// them here is what stops the two files from drifting apart (they once did: the faithful
-// dispatch ignored w's dtype). rwkv_clip/ops/build.py hashes this header into the kernel
-// cache key, so editing it rebuilds both variants.
+// them here is what stops the two files from drifting apart (each dispatches on w's dtype
+// the same way). rwkv_clip/ops/build.py hashes this header into the kernel cache key, so
+// editing it rebuilds both variants.
 //
-// Built with -DWKV_EMULATE (tests/test_wkv_ops.py) everything compiles as plain C++ with
+// Built with -DWKV_EMULATE (tests/test_wkv_cuda_emulation.py) everything compiles as plain C++ with
 // a host shim that also stands in for __nv_bfloat16 / __half and their conversions
 // (round to nearest even, as the device's), so every instantiation runs on a host.
 #pragma once

@@ -12,9 +12,10 @@
 //   y[t,i] = sum_j r[t,j] (u[j] k[t,j] v[t,i] + A[t-1][j,i] + B[t+1][j,i])
 //   A[t] = d[t] (.) A[t-1] + k[t] v[t]^T,  B[t] = d[t] (.) B[t+1] + k[t] v[t]^T
 //   Q[t] = sum_{s<t} D(s,t) r[s] g[s]^T,    P[t] = sum_{s>t} D(t,s) r[s] g[s]^T
-// Built with -DWKV_EMULATE (tests/test_wkv_ops.py), the kernels compile as plain C++ on a
-// host with a shim that runs each block's threads as std::threads, so the kernel logic
-// is checked against the reference even where no GPU exists.
+// Built with -DWKV_EMULATE (tests/test_wkv_cuda_emulation.py), the kernels compile as
+// plain C++ on a host with a shim that runs each block's threads as fibers switched at
+// every __syncthreads, so the kernel logic is checked against the reference even where
+// no GPU exists.
 #include "wkv6_common.cuh"
 
 namespace {

@@ -1,17 +1,7 @@
-"""RWKV-CLIP: CLIP with bidirectional RWKV-6 image and text towers.
-
-Notebook use::
-
-    from rwkv_clip import load_model_configs, create_RWKV_Model, tokenize, image_transform
-    args = load_model_configs("model_config/RWKV_CLIP_B32.json")
-    model = create_RWKV_Model(args, model_weight_path="RWKV_CLIP_B32.pt").eval()
-
-    import rwkv_clip  # published weights by name, open_clip's way
-    model, _, preprocess = rwkv_clip.create_model_and_transforms("RWKV-CLIP-B32", "yfcc15m")
-    tokenizer = rwkv_clip.get_tokenizer("RWKV-CLIP-B32")
+"""RWKV-CLIP: CLIP with bidirectional RWKV-6 image and text towers (notebook use: README.md).
 
 Importing this package compiles nothing, reads no environment variables, starts no
-process group and imports no torch: the names above load their modules on first use.
+process group and imports no torch: the public names load their modules on first use.
 """
 from __future__ import annotations
 

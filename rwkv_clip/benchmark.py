@@ -24,16 +24,22 @@ MODES = ("eager", "compiled")
 PRECISIONS = ("fp32", "bf16")
 
 
-def build_open_clip(name: str = OPEN_CLIP_DEFAULT, seed: int = 0, **options: Any) -> nn.Module:
-    """open_clip's model ``name``, randomly initialised (pretrained=None: nothing is
-    downloaded; the Hub is put offline for the call); ``options`` go to
-    ``open_clip.create_model`` (e.g. ``force_image_size``)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def import_open_clip() -> Any:
+    """The open_clip module; a :class:`ConfigError` saying how to install it if missing."""
     try:
         import open_clip
     except ImportError as exc:
         raise ConfigError("the open_clip comparison needs open_clip_torch installed "
                           "(pip install open_clip_torch)") from exc
+    return open_clip
+
+
+def build_open_clip(name: str = OPEN_CLIP_DEFAULT, seed: int = 0, **options: Any) -> nn.Module:
+    """open_clip's model ``name``, randomly initialised (pretrained=None: nothing is
+    downloaded; the Hub is put offline for the call); ``options`` go to
+    ``open_clip.create_model`` (e.g. ``force_image_size``)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    open_clip = import_open_clip()
     if name not in open_clip.list_models():
         raise ConfigError(f"open_clip has no model {name!r}; expected one of "
                           f"open_clip.list_models(), e.g. {OPEN_CLIP_DEFAULT!r}")
@@ -100,6 +106,19 @@ def inference_runner(forward: Callable[..., Any], precision: str, images: torch.
         with torch.no_grad(), prec.autocast():
             image_f, text_f, _ = forward(images, tokens)
         return float(image_f.float().sum() + text_f.float().sum())
+    return run
+
+
+def image_inference_runner(model: Any, precision: str, images: torch.Tensor,
+                           device_type: str = "cpu") -> Callable[[], float]:
+    """encode_image alone without grad, per call: the image tower, where the image size
+    changes the cost."""
+    from .precision import get_precision
+    prec = get_precision(precision, device_type)
+
+    def run() -> float:
+        with torch.no_grad(), prec.autocast():
+            return float(model.encode_image(images).float().sum())
     return run
 
 
@@ -346,11 +365,14 @@ def table(cases: Sequence[Case]) -> dict[str, Any]:
 def parse_list(text: str, kind: Callable[[str], Any], allowed: Sequence | None,
                flag: str) -> list:
     """A comma-separated flag value, each item converted and checked."""
-    items = [kind(item) for item in text.split(",") if item.strip()]
+    try:
+        items = [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:  # int("x")
+        items = []
     bad = [i for i in items if allowed is not None and i not in allowed]
     if not items or bad:
-        raise ConfigError(f"{flag} {text!r}: expected a comma-separated list of "
-                          f"{list(allowed) if allowed else 'values'}")
+        what = list(allowed) if allowed else getattr(kind, "__name__", "values")
+        raise ConfigError(f"{flag} {text!r}: expected a comma-separated list of {what}")
     return items
 
 

@@ -1,10 +1,8 @@
 """Model configuration: the original's JSON files <-> a typed, validated :class:`ModelArgs`.
 
-``ModelArgs`` keeps the original's attribute access (``args.image_embed_dims``) with one
-typed field per published key; building one rejects unknown keys (naming the closest
-known one), wrong types and ranges, and broken cross-field rules, after filling in the
-derived defaults (``dim_att``, ``dim_ffn``, ``head_size``). Nothing here sets
-environment variables: kernel sizes come from the tensors.
+``ModelArgs`` keeps the original's attribute access (``args.image_embed_dims``), one typed
+field per published key. Nothing here sets environment variables: kernel sizes come from
+the tensors.
 """
 from __future__ import annotations
 
@@ -37,6 +35,9 @@ TOWER_KEYS = (
     "head_size_divisor", "n_layer", "n_embd", "dim_att", "dim_ffn", "head_qk", "tiny_att_dim",
     "tiny_att_layer",
 )
+
+# input_size's flag and open_clip's names for it (train.py, zero_shot.py, the planner).
+INPUT_SIZE_FLAGS = ("--input-size", "--force-image-size", "--image-size")
 
 _NO_DEFAULT = object()
 
@@ -99,6 +100,10 @@ class ModelArgs:
     keys of model_config/*.json). Constructing one validates it; ``source`` (the file or
     flag set it came from) only labels error messages, and ``with_image=False`` accepts a
     text-only config (for a bare ``Text_RWKV``).
+
+    Building one fills in the derived defaults (``dim_att``, ``dim_ffn``, ``head_size``),
+    then rejects unknown keys (naming the closest known one), wrong types and ranges, and
+    broken cross-field rules.
     """
 
     # text tower (required)

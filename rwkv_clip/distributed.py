@@ -1,9 +1,7 @@
 """Who am I in the job, which device do I use, and the process group: one ``DistInfo``
 for training, evaluation, data loading and the memory planner.
 
-Understands a single process, ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) and
-SLURM's ``srun`` (``SLURM_PROCID``...; the master is the job's first host). NCCL on CUDA,
-gloo otherwise. Nothing here runs at import.
+Single process, ``torchrun`` and SLURM (:func:`init_distributed`). Nothing here runs at import.
 """
 from __future__ import annotations
 
@@ -173,7 +171,11 @@ NCCL_ASYNC_ERROR_HANDLING = "2"
 def init_distributed(device: str = "auto",
                      timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> DistInfo:
     """Read the launch environment, pick the device, start the process group if the job
-    has more than one process, and return this process's :class:`DistInfo`."""
+    has more than one process, and return this process's :class:`DistInfo`.
+
+    Understands a single process, ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) and
+    SLURM's ``srun`` (``SLURM_PROCID``...; the master is the job's first host). NCCL on
+    CUDA, gloo otherwise."""
     launcher, rank, local_rank, world_size = launch_environment()
     dev = pick_device(device, local_rank)
     if dev.type == "cuda":

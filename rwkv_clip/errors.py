@@ -1,15 +1,8 @@
 """One error type for everything a user can act on, and the one place that turns it into
 a command-line message.
 
-Every error meant for users derives from :class:`RWKVCLIPError`; its message names the
-culprit (file, flag, config key, record) and what was expected. Command-line tools wrap
-their ``main`` in :func:`run_cli`, which prints ``error: <message>`` (the first line says
-what is wrong and names the culprit; details, if any, follow indented) and exits with
-status 2. Anything else is a bug and keeps its traceback.
-
-The concrete classes also derive from the builtin a caller would naturally catch
-(``ValueError`` for bad values, ``RuntimeError`` for failures while running), so code
-written against those keeps working.
+Every error meant for users derives from :class:`RWKVCLIPError`; command-line tools wrap
+their ``main`` in :func:`run_cli`.
 """
 from __future__ import annotations
 
@@ -20,7 +13,13 @@ EXIT_USER_ERROR = 2
 
 
 class RWKVCLIPError(Exception):
-    """Base class of every error meant for the user; the message says what to fix."""
+    """Base class of every error meant for the user; the message says what to fix.
+
+    The message names the culprit (file, flag, config key, record) and what was expected.
+    The concrete classes also derive from the builtin a caller would naturally catch
+    (``ValueError`` for bad values, ``RuntimeError`` for failures while running), so code
+    written against those keeps working.
+    """
 
 
 class ConfigError(RWKVCLIPError, ValueError):
@@ -37,6 +36,10 @@ class WKVError(RWKVCLIPError, RuntimeError):
 
 class KernelBuildError(WKVError):
     """Building a native WKV kernel failed; the message ends with the compiler's last lines."""
+
+
+class KernelLockTimeoutError(KernelBuildError):
+    """Another process held a kernel's build lock past the timeout: nothing was compiled."""
 
 
 class DataError(RWKVCLIPError, RuntimeError):
@@ -125,6 +128,10 @@ def report(exc: BaseException, prog: str | None = None) -> None:
 def run_cli(main: Callable[[], int | None], prog: str | None = None) -> int:
     """Run a command-line ``main``; user errors become one line and exit status 2.
 
+    The line is ``error: <message>``: its first line says what is wrong and names the
+    culprit; details, if any, follow indented. Anything else is a bug and keeps its
+    traceback.
+
     Ctrl-C is reported the same way (one line, status 2) instead of a traceback; a tool
     that can say more (such as how to resume) catches ``KeyboardInterrupt`` itself.
     """
@@ -140,6 +147,7 @@ def run_cli(main: Callable[[], int | None], prog: str | None = None) -> int:
 
 
 __all__ = ["RWKVCLIPError", "ConfigError", "CheckpointError", "WKVError", "KernelBuildError",
-           "DataError", "DistributedError", "TrainArgsError", "TrainingError", "NonFiniteLossError",
-           "ResumeError", "EvalError", "DatasetNotFoundError", "ImageReadError", "PeerRankError",
-           "MeasurementError", "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]
+           "KernelLockTimeoutError", "DataError", "DistributedError", "TrainArgsError",
+           "TrainingError", "NonFiniteLossError", "ResumeError", "EvalError",
+           "DatasetNotFoundError", "ImageReadError", "PeerRankError", "MeasurementError",
+           "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]

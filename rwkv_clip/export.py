@@ -1,10 +1,8 @@
 """``python -m rwkv_clip.export CHECKPOINT OUT.pt|OUT.safetensors``: the plain model state
 dict people publish, from a training checkpoint or any weights file we can load.
 
-Keys, order and dtypes are the original's (``--ddp-prefix`` adds its ``module.``), checked
-against the config before anything is written. ``--format onnx`` and ``--format hub``
-write the two encoders as ONNX or a Hub folder (:mod:`rwkv_clip.onnx_export`,
-:mod:`rwkv_clip.hub`).
+Keys, order and dtypes are the original's, checked against the config before anything is
+written; ``--format onnx|hub`` writes :mod:`rwkv_clip.onnx_export` / :mod:`rwkv_clip.hub`.
 """
 from __future__ import annotations
 

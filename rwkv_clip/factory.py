@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_files import StateDict, load_checked
+from .checkpoint_files import StateDict, fit_image_size, load_checked
 from .config import (
     DEFAULT_CONFIG,
     ModelArgs,
@@ -46,10 +46,10 @@ def infer_config(state_dict: Mapping[str, torch.Tensor],
                  overrides: Mapping[str, Any] | None = None) -> str | None:
     """The shipped config whose model (with ``overrides`` applied to its keys) has exactly
     the parameter names and shapes of ``state_dict``; None if none has. When several fit
-    (B/16 with ``image_patch_size=32`` is B/32), the one the overrides change least wins."""
+    (B/16 with ``image_patch_size=32`` is B/32), the one the overrides change least wins.
+    With ``input_size`` among the overrides, a ``pos_embed`` of another square grid fits
+    too, as loading resizes it (:func:`rwkv_clip.checkpoint_files.fit_image_size`)."""
     overrides = dict(overrides or {})
-    # SigLIP's logit_bias is the same for every config (check_state_dict adds it)
-    shapes = {k: tuple(v.shape) for k, v in state_dict.items() if k != "logit_bias"}
     matches = []
     for name in available_configs():
         params = read_config_json(name)[0]
@@ -60,6 +60,11 @@ def infer_config(state_dict: Mapping[str, torch.Tensor],
                 model = create_RWKV_Model(args)
         except ConfigError:  # the overrides do not fit this config: it does not match
             continue
+        tensors = dict(state_dict)
+        if "input_size" in overrides:
+            tensors = fit_image_size(model, tensors)
+        # SigLIP's logit_bias is the same for every config (check_state_dict adds it)
+        shapes = {k: tuple(v.shape) for k, v in tensors.items() if k != "logit_bias"}
         if {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes:
             changed = sum(params.get(k) != v for k, v in overrides.items())
             matches.append((changed, name))

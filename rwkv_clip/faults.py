@@ -1,10 +1,6 @@
 """A lost rank: every survivor stops in bounded time with one line and exit status 3.
 
-Each rank runs a :class:`PeerWatch`, a heartbeat in the job's rendezvous store watched by
-the next rank (a ring). When a collective fails or the watched peer falls silent, the
-survivor waits for any checkpoint being written, prints ``lost rank R``, where it was and
-what is safe on disk, and leaves with ``os._exit(3)`` (``destroy_process_group`` can hang
-once a peer is gone).
+Each rank runs a :class:`PeerWatch` (docs/faults.md).
 """
 from __future__ import annotations
 
@@ -49,7 +45,13 @@ def format_ranks(ranks: list[int]) -> str:
 
 
 class PeerWatch:
-    """The heartbeat of one rank and the one exit for a lost peer (see the module text).
+    """The heartbeat of one rank and the one exit for a lost peer.
+
+    The heartbeat lives in the job's rendezvous store and is watched by the next rank (a
+    ring). When a collective fails or the watched peer falls silent, the survivor waits
+    for any checkpoint being written, prints ``lost rank R``, where it was and what is
+    safe on disk, and leaves with ``os._exit(3)`` (``destroy_process_group`` can hang once
+    a peer is gone).
 
     ``where()`` says how far this rank got (``at step 10``), ``outcome()`` what is safe on
     disk and how to go on; both are read only when a peer is lost. ``log``: a logger whose

@@ -1,10 +1,8 @@
 """Keep freed host memory inside the process on CPU runs (glibc's malloc settings).
 
-A CPU training step frees and retakes the same few GB every step; glibc's defaults give
-large blocks back to the kernel, which then faults them in and zero-fills them again.
-:func:`configure_host_malloc` raises the mmap and trim thresholds so the process reuses
-them, as PyTorch's caching allocator does on the GPU. Only the command-line programs call
-it; ``RWKV_CLIP_HOST_MALLOC`` (auto, retain, system) chooses.
+glibc's defaults give the few GB a CPU step frees back to the kernel, which faults them in
+again next step; :func:`configure_host_malloc` raises the thresholds so the process reuses
+them. Only the command-line programs call it (docs/training.md, memory on the CPU).
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """Hugging Face Hub folders: write one (weights, configs, model card), load one back, push it.
 
-A folder holds ``model.safetensors`` (the state dict, the original's key names and
-dtypes), ``model_config.json`` (the model config, as ``model_config/*.json``),
-``preprocess_config.json`` (open_clip's ``preprocess_cfg`` keys: size, mean, std,
-interpolation, resize mode) and ``README.md`` (the model card: YAML front matter with
-license, library name, tags, datasets and a ``model-index`` of the evaluation results).
-
-``create_model_and_transforms("hf-hub:ORG/NAME")`` reads such a repository through the
-Hub cache (``HF_HUB_OFFLINE=1``: from the cache only), ``"local-dir:DIR"`` straight from
-disk. Every written file is readable by others (mode 0644).
+A folder holds ``model.safetensors`` (the original's key names and dtypes), the model and
+preprocess configs and a model card with the evaluation results (docs/export.md); it
+loads as ``"hf-hub:ORG/NAME"`` or ``"local-dir:DIR"``. Written files have mode 0644.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Image tower: Vision-RWKV 6 (``Image_RWKV``), state-dict compatible with RWKV-CLIP.
 
-Patch embedding -> learned position embedding -> ``depth`` RWKV blocks (spatial mix
-with a 2-D q-shift and bidirectional WKV, then channel mix) -> final LayerNorm ``ln1``.
 Parameters are created in the original's order, so a seeded CPU build draws the same
 random numbers as the original.
 """
@@ -181,7 +179,11 @@ class Block_V6(nn.Module):
 class Image_RWKV(nn.Module):
     """Vision-RWKV 6 backbone. ``forward`` returns a tuple with one entry per
     ``out_indices`` layer: the patch-token map (B, C, H', W'), or ``[map, cls]`` when
-    ``output_cls_token``. The cls token, if used, is appended after the patches."""
+    ``output_cls_token``. The cls token, if used, is appended after the patches.
+
+    Patch embedding -> learned position embedding -> ``depth`` RWKV blocks (spatial mix
+    with a 2-D q-shift and bidirectional WKV, then channel mix) -> final LayerNorm ``ln1``.
+    """
 
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_channels: int = 3,
                  out_indices: int | Sequence[int] = -1, drop_rate: float = 0.0,

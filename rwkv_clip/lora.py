@@ -1,12 +1,8 @@
 """LoRA fine-tuning: low-rank adapters (``peft``) on the towers' linear layers.
 
-``train.py --lora-rank R`` injects peft's LoRA layers into the time and channel mixes
-(:func:`add_adapters`), freezes everything else (optionally storing the frozen matrices
-in bf16) and trains the adapters in fp32. Checkpoints hold the adapted state dict
-(``X.base_layer.weight``, ``X.lora_A.default.weight``, ``X.lora_B.default.weight``) and
-the run's ``lora_*`` settings; :func:`merge_state_dict` folds the adapters back into
-plain weights, ``W + (alpha / r) B A``, without peft, so evaluation and export read a
-LoRA checkpoint as an ordinary one.
+``train.py --lora-rank R`` adapts the time and channel mixes (:func:`add_adapters`) and
+trains only the adapters; :func:`merge_state_dict` folds them back into plain weights
+without peft, so evaluation and export read a LoRA checkpoint as an ordinary one.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Contrastive losses across ranks: CLIP's softmax loss (the original's / open_clip's
 ClipLoss) and SigLIP's pairwise sigmoid loss (open_clip's SigLipLoss).
 
-ClipLoss ``local_loss``: each rank scores only its own samples against all gathered
-features (cheaper; labels offset by rank). ``gather_with_grad``: gradients flow through
-the all-gather, giving the exact full-batch gradient; without it, the local slice of the
-gathered tensors is replaced by the rank's own (grad-carrying) features.
-
-SigLipLoss: each rank scores its images against every rank's texts, block by block, with
-gradients flowing back through the exchange; see :class:`SigLipLoss`.
+Both score each rank's samples against every rank's; how gradients cross ranks is at
+:class:`ClipLoss` and :class:`SigLipLoss`.
 """
 from __future__ import annotations
 
@@ -39,7 +34,13 @@ def gather_features(image_features: torch.Tensor, text_features: torch.Tensor,
 
 
 class ClipLoss(nn.Module):
-    """Symmetric InfoNCE over L2-normalised features: (CE(img->txt) + CE(txt->img)) / 2."""
+    """Symmetric InfoNCE over L2-normalised features: (CE(img->txt) + CE(txt->img)) / 2.
+
+    ``local_loss``: each rank scores only its own samples against all gathered features
+    (cheaper; labels offset by rank). ``gather_with_grad``: gradients flow through the
+    all-gather, giving the exact full-batch gradient; without it, the local slice of the
+    gathered tensors is replaced by the rank's own (grad-carrying) features.
+    """
 
     def __init__(self, local_loss: bool = False, gather_with_grad: bool = False,
                  cache_labels: bool = False, rank: int = 0, world_size: int = 1,

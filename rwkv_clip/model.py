@@ -1,11 +1,8 @@
 """The CLIP wrapper (``get_model``), the original's factory ``create_RWKV_Model`` and
 ``load_model_weight``.
 
-RWKV-CLIP has no projection heads: the image feature is the mean of the final patch
-tokens (or the cls token), the text feature the mean over all ``ctx_len`` positions of
-the L2-normalised per-token outputs (padding included). ``forward`` returns unnormalised
-features and ``logit_scale.exp()``, exactly as the original; a model trained with the
-SigLIP loss also has ``logit_bias``, returned fourth (as open_clip's SigLIP models).
+RWKV-CLIP has no projection heads: both features are means of the towers' token outputs
+(:meth:`get_model.encode_image`, :meth:`get_model.encode_text`).
 """
 from __future__ import annotations
 
@@ -59,7 +56,8 @@ class get_model(nn.Module):
         self.set_logit_bias(SIGLIP_LOGIT_BIAS)
 
     def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
-        """(B, 3, S, S) normalised images -> (B, C) image features."""
+        """(B, 3, S, S) normalised images -> (B, C) image features: the mean of the final
+        patch tokens (or the cls token)."""
         outs = self.image_model(image)[-1]
         if self.image_cls_token:
             features = outs[1]
@@ -68,12 +66,15 @@ class get_model(nn.Module):
         return F.normalize(features, dim=-1) if normalize else features
 
     def encode_text(self, text: torch.Tensor, normalize: bool = False) -> torch.Tensor:
-        """(B, ctx_len) token ids -> (B, C): mean of the L2-normalised token features."""
+        """(B, ctx_len) token ids -> (B, C): mean of the L2-normalised token features over
+        all ``ctx_len`` positions (padding included)."""
         tokens = F.normalize(self.text_model(text), dim=-1)
         features = tokens.mean(dim=1)
         return F.normalize(features, dim=-1) if normalize else features
 
     def forward(self, image: torch.Tensor, text: torch.Tensor):
+        """Unnormalised image and text features and ``logit_scale.exp()``, exactly as the
+        original; a SigLIP model also returns ``logit_bias``, fourth (as open_clip's)."""
         image_features, text_features = self.encode_image(image), self.encode_text(text)
         if self.logit_bias is not None:
             return image_features, text_features, self.logit_scale.exp(), self.logit_bias

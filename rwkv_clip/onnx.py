@@ -1,14 +1,8 @@
 """Serve an exported RWKV-CLIP with onnxruntime and numpy only (no torch).
 
-::
-
-    from rwkv_clip.onnx import OnnxCLIP
-    clip = OnnxCLIP("exported/")                 # python -m rwkv_clip.export ... --format onnx
-    image_features = clip.encode_image(images)   # (B, 3, S, S) float32, CLIP-normalised
-    text_features = clip.encode_text(tokens)     # (B, ctx_len) int64 CLIP BPE ids
-
-The inputs are the model's: ``clip.preprocess(pil_image)`` makes an image array (resize
-of the shorter side, centre crop, CLIP mean/std from ``preprocess_config.json``).
+:class:`OnnxCLIP` reads a folder written by ``python -m rwkv_clip.export ... --format onnx``
+and takes the model's inputs (:meth:`OnnxCLIP.preprocess` makes an image array); usage is
+in docs/export.md.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """RWKV-CLIP -> two ONNX encoders (``image_encoder.onnx``, ``text_encoder.onnx``).
 
-Each tower is captured with ``torch.export`` (dynamic batch; the config's image size and
-context length fixed), the package's operators are replaced by plain PyTorch
-(:data:`export_decompositions`: the WKV by its dense fixed-length form
-:func:`rwkv_clip.ops.dense.wkv6_bidirectional_dense`, the token shifts by slices and
-concatenations, the oneDNN linear by ``F.linear``), and the result is written by
-``torch.onnx.export``. Needs the ``onnx`` and ``onnxscript`` packages (``pip install
-rwkv-clip[onnx]``); checking against onnxruntime needs ``onnxruntime``.
+Each tower is captured with ``torch.export`` (dynamic batch), its operators replaced by
+plain PyTorch (:func:`export_decompositions`) and written by ``torch.onnx.export``. Needs
+``onnx`` and ``onnxscript`` (``pip install rwkv-clip[onnx]``); checks need ``onnxruntime``.
 """
 from __future__ import annotations
 
@@ -65,7 +61,9 @@ def _onednn_linear(x, weight, bias, *rest) -> torch.Tensor:
 
 
 def export_decompositions() -> dict[Any, Callable]:
-    """The package's operators as exportable PyTorch (``ExportedProgram.run_decompositions``)."""
+    """The package's operators as exportable PyTorch (``ExportedProgram.run_decompositions``):
+    the WKV by its dense fixed-length form :func:`rwkv_clip.ops.dense.wkv6_bidirectional_dense`,
+    the token shifts by slices and concatenations, the oneDNN linear by ``F.linear``."""
     from .layers import linear as _linear_ops  # noqa: F401 - registers rwkv_clip::onednn_linear
     from .layers import shift as _shift_ops  # noqa: F401 - registers the shift operators
     from .ops import kernels as _wkv_ops  # noqa: F401 - registers rwkv_clip::wkv6_forward

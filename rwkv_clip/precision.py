@@ -1,17 +1,8 @@
 """Precision: one set of names and one builder for autocast, the GradScaler and TF32,
 shared by training, evaluation and the memory planner.
 
-Names (the original's ``--precision`` choices):
-
-* ``fp32``: no autocast;
-* ``tf32``: fp32 with TF32 matmuls/convolutions on CUDA (no autocast);
-* ``bf16``: bfloat16 autocast;
-* ``fp16``: float16 autocast with a GradScaler (init scale 128, growth interval 200, as
-  the original's trainer).
-
-Aliases some users type (``amp`` / ``amp_bf16`` as in open_clip, ``float32``, ``32``, ...)
-resolve to these names in :func:`canonical_precision`; everything else is a
-:class:`~rwkv_clip.errors.PrecisionError`.
+Names are the original's ``--precision`` choices (:data:`PRECISIONS`); aliases resolve in
+:func:`canonical_precision`.
 """
 from __future__ import annotations
 
@@ -24,6 +15,9 @@ import torch
 
 from .errors import PrecisionError
 
+# The original's --precision choices: fp32 (no autocast), tf32 (fp32 with TF32
+# matmuls/convolutions on CUDA, no autocast), bf16 (bfloat16 autocast), fp16 (float16
+# autocast with a GradScaler).
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 _ALIASES = {
@@ -40,7 +34,9 @@ SCALER_GROWTH_INTERVAL = 200
 
 
 def canonical_precision(name: str) -> str:
-    """``name`` or one of its aliases -> one of :data:`PRECISIONS`."""
+    """``name`` or one of its aliases (``amp`` / ``amp_bf16`` as in open_clip, ``float32``,
+    ``32``, ...) -> one of :data:`PRECISIONS`; anything else is a
+    :class:`~rwkv_clip.errors.PrecisionError`."""
     key = str(name).strip().lower()
     if key not in _ALIASES:
         raise PrecisionError(f"precision {name!r}: expected one of {', '.join(PRECISIONS)}")

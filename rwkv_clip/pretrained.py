@@ -1,9 +1,8 @@
 """Weights by name, open_clip's way: the published RWKV-CLIP checkpoints, where they live on
 the Hugging Face Hub, and one resolver from what a user types to a local file.
 
-A name is a model tag, ``NAME:TAG``, a local ``.pt``/``.safetensors`` file or
-``hf-hub:OWNER/REPO[/FILE]``, optionally ``@REVISION``; downloads go through
-``huggingface_hub``'s cache (docs/pretrained.md).
+A name is a model tag, ``NAME:TAG``, a local file or ``hf-hub:OWNER/REPO[/FILE]``, with
+optional ``@REVISION``; downloads use ``huggingface_hub``'s cache (docs/pretrained.md).
 """
 from __future__ import annotations
 

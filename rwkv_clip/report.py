@@ -1,21 +1,8 @@
-"""A one-page picture of a training run: ``RUN_DIR/report.png``.
+"""A one-page picture of a training run: ``RUN_DIR/report.png`` (panels: :func:`draw_report`).
 
-Panels: the training loss (and the validation loss) and the learning rate against the
-optimizer step, the zero-shot top-1 (and top-5) accuracy of every evaluation, the
-validation retrieval recall (``results.jsonl``, when the run validated), and, when the run was evaluated on an
-image folder of at most :data:`MAX_CONFUSION_CLASSES` classes (the built-in set's 30), the
-confusion matrix of the held-out images and a grid of them with their top-3 predictions.
-
-Everything comes from the run folder, so the picture can be redrawn at any time::
-
-    python -m rwkv_clip.report runs/default
-
-* the curves from ``training.log`` (both ``--log-format`` styles; a log that holds
-  several runs in the same folder is read from the last fresh start, resumes included);
-* the predictions from ``predictions.json``, written at the end of training (every
-  held-out image's label and top-3 classes with their probabilities). When it is
-  missing, the newest checkpoint is evaluated on the zero-shot folder named in the log
-  (or ``--zero-shot-data``) and the file is written.
+Everything comes from the run folder (``training.log``, ``results.jsonl``,
+``predictions.json``, else the newest checkpoint), so ``python -m rwkv_clip.report
+runs/default`` redraws it at any time.
 """
 from __future__ import annotations
 
@@ -73,7 +60,9 @@ class TrainingCurves:
 
 
 def parse_training_log(path: str | os.PathLike) -> TrainingCurves:
-    """Read the progress and zero-shot lines of a ``training.log``."""
+    """Read the progress and zero-shot lines of a ``training.log`` (both ``--log-format``
+    styles; a log that holds several runs in the same folder is read from the last fresh
+    start, resumes included)."""
     curves = TrainingCurves()
     last_step = 0
     fresh = True  # the current process started a new run (no "resumed from")
@@ -254,7 +243,13 @@ def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
                 validation: list[dict] | None = None) -> Path:
     """Draw the panels into ``out_path`` (PNG) and return its path. ``validation``: the
     run's held-out records (``rwkv_clip.train.validation.read_results``), drawn on the
-    loss panel and in a retrieval-recall panel."""
+    loss panel and in a retrieval-recall panel.
+
+    Panels: the training (and validation) loss and the learning rate against the optimizer
+    step, the zero-shot top-1 (and top-5) accuracy of every evaluation, the validation
+    retrieval recall, and, for an image folder of at most :data:`MAX_CONFUSION_CLASSES`
+    classes, the confusion matrix of the held-out images and a grid of them with their
+    top-3 predictions."""
     try:
         import matplotlib
     except ImportError:
@@ -373,7 +368,8 @@ def write_report(run_dir: str | os.PathLike, model=None, zero_shot_dir: str | No
     With ``model`` (end of training) the predictions are computed from it on
     ``zero_shot_dir`` and saved to ``predictions.json``; without, they are read from that
     file (unless ``recompute``), else computed from the newest checkpoint. No zero-shot
-    folder: curves only."""
+    folder: curves only. ``predictions.json`` holds every held-out image's label and top-3
+    classes with their probabilities."""
     run_dir = Path(run_dir)
     log_path = run_dir / "training.log"
     if not log_path.is_file():

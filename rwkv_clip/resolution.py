@@ -1,7 +1,7 @@
 """Cost against image size: RWKV-CLIP beside an open_clip ViT, both built for each side.
 
-Time (ABBA-interleaved, :mod:`rwkv_clip.benchmark`) and peak memory of inference and a
-training step per side, and their log-log slopes against the number of patch tokens
+Time (ABBA-interleaved, :mod:`rwkv_clip.benchmark`) and peak memory of inference (the image
+tower) and a training step per side, and their log-log slopes against the patch tokens
 (1: linear, 2: quadratic). Used by ``scripts/bench_resolution.py``.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ from .benchmark import (
     MEMORY_METHODS,
     PRECISIONS,
     build_open_clip,
-    inference_runner,
+    image_inference_runner,
+    import_open_clip,
     interleaved,
     make_inputs,
     open_clip_shapes,
@@ -36,11 +37,10 @@ from .benchmark import (
 )
 from .errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
 # our published configs and the open_clip model of the same patch size
 PAIRS = {"B16": ("RWKV_CLIP_B16.json", "ViT-B-16"), "B32": ("RWKV_CLIP_B32.json", "ViT-B-32")}
 SIDES = "224,448,896,1792"
-# a training step at 1792 px takes minutes per model on a few CPU cores
+# the largest side of a training step on the CPU by default (its cost grows with the tokens)
 CPU_TRAIN_MAX_SIDE = 896
 TASKS = ("infer", "train")
 OURS, THEIRS = "rwkv_clip", "open_clip"
@@ -121,8 +121,8 @@ def run_case(sweep: Sweep, task: str, precision: str, side: int, tokens: int,
             held[name] = partial(resident_bytes, model, run.optimizer,  # type: ignore[attr-defined]
                                  images, tokens_in)
         else:
-            run = inference_runner(model, precision, images, tokens_in, dev.type)
-            held[name] = partial(resident_bytes, model, images, tokens_in)
+            run = image_inference_runner(model, precision, images, dev.type)
+            held[name] = partial(resident_bytes, model, images)
         runners[name] = run
     memory: dict[str, tuple[int, int]] = {}
 
@@ -214,9 +214,9 @@ def slopes(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_sweep(sweep: Sweep, log: Callable[[str], None]) -> dict[str, Any]:
-    """Every case the sweep asks for, sides ascending (a side's models are built once for
-    its inference and training cases); a case predicted to end past ``max_seconds`` is
-    skipped with its prediction."""
+    """Every case the sweep asks for, over the inference and training sides ascending (a
+    side's models are built once for both tasks); a case predicted to end past
+    ``max_seconds`` is skipped with its prediction."""
     from .config import load_model_configs
     t0 = time.perf_counter()
     args = load_model_configs(sweep.config)
@@ -243,7 +243,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None]) -> dict[str, Any]:
             total += seconds * (sweep.warmup_for(task) + sweep.repeats)
         return total
 
-    for side in sweep.sides:
+    for side in sorted({*sweep.sides, *sweep.train_sides}):
         tokens = (side // patch) ** 2
         models: dict[str, torch.nn.Module] = {}
         for task in sweep.tasks:
@@ -370,7 +370,7 @@ def add_flags(ap: Any) -> None:
 def sweep_from_flags(ns: Any) -> Sweep:
     from .config import load_model_configs, resolve_config_path
     config_name, versus = PAIRS[ns.model]
-    config = str(resolve_config_path(ns.config or str(REPO / "model_config" / config_name)))
+    config = str(resolve_config_path(ns.config or config_name))
     versus = ns.versus or versus
     patch = load_model_configs(config).image_patch_size
     sides = parse_list(ns.sides, int, None, "--sides")
@@ -390,6 +390,8 @@ def sweep_from_flags(ns: Any) -> Sweep:
     if min(ns.batch_size, ns.train_batch_size, ns.warmup, ns.repeats) < 1:
         raise ConfigError("--batch-size, --train-batch-size, --warmup and --repeats must be "
                           "at least 1 (memory is measured on the last warm-up call)")
+    if ns.threads is not None and ns.threads < 1:
+        raise ConfigError(f"--threads {ns.threads}: expected at least 1")
     return Sweep(config=config, versus=None if versus == "none" else versus,
                  sides=sorted(set(sides)), train_sides=sorted(set(train_sides)),
                  tasks=parse_list(ns.tasks, str, TASKS, "--tasks"), precisions=precisions,
@@ -403,17 +405,14 @@ def main(ns: Any) -> int:
     time are listed under "skipped")."""
     from .host_memory import configure_host_malloc
     sweep = sweep_from_flags(ns)
-    if ns.threads:
+    theirs_version = import_open_clip().__version__ if sweep.versus else None
+    if ns.threads is not None:
         torch.set_num_threads(ns.threads)
     host_malloc = configure_host_malloc(sweep.device)  # as train.py, for both models
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    theirs_version = None
-    if sweep.versus:
-        import open_clip
-        theirs_version = open_clip.__version__
     dev = sweep.device
     result: dict[str, Any] = {
         "benchmark": "resolution", "config": Path(sweep.config).name, "versus": sweep.versus,

@@ -1,9 +1,6 @@
 """Text tower: bidirectional RWKV-6 (``Text_RWKV``), state-dict compatible with RWKV-CLIP.
 
-Token embedding -> ``n_layer`` blocks (time mix with a per-head forward/backward token
-shift and bidirectional WKV, then channel mix) -> ``ln_out``. Configured by the
-original's ``args`` namespace (see :mod:`rwkv_clip.config`). ``time_decay`` and
-``time_faaaa`` are bfloat16 parameters, as in the original.
+``time_decay`` and ``time_faaaa`` are bfloat16 parameters, as in the original.
 """
 from __future__ import annotations
 
@@ -212,6 +209,10 @@ def _init_matrix(name: str, shape: tuple[int, int], generator) -> torch.Tensor:
 
 
 class Text_RWKV(nn.Module):
+    """Token embedding -> ``n_layer`` blocks (time mix with a per-head forward/backward
+    token shift and bidirectional WKV, then channel mix) -> ``ln_out``. Configured by the
+    original's ``args`` namespace (see :mod:`rwkv_clip.config`)."""
+
     def __init__(self, args) -> None:
         super().__init__()
         # a ModelArgs is validated when built (create_RWKV_Model passes its one copy)

@@ -1,11 +1,8 @@
 """Zero-shot classification in a notebook: class names in, probabilities out.
 
-``build_zero_shot_classifier`` is open_clip's function of that name on this model's
-conventions and the evaluation's own builder (:func:`rwkv_clip.eval.zeroshot.build_classifier`:
-each template's text feature L2-normalised, averaged per class, normalised again);
-``classify`` adds the image side with the paper's (CLIP's 80 ImageNet) templates::
-
-    probs = rwkv_clip.classify(model, images, ["cat", "dog", "car"])   # (B, 3)
+``build_zero_shot_classifier`` is open_clip's function of that name on the evaluation's own
+builder (:func:`rwkv_clip.eval.zeroshot.build_classifier`); ``classify`` adds the image
+side with the paper's templates: ``rwkv_clip.classify(model, images, ["cat", "dog"])``.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 
 At each image side (default 224,448,896,1792) both models are built for that side
 (random weights; open_clip with force_image_size, nothing downloaded) and run side by
-side in this process, ABBA-interleaved: inference (encode_image + encode_text, batch 1)
-and a training step (both towers, ClipLoss, backward, AdamW, batch 2). Fitted log-log
+side in this process, ABBA-interleaved: inference (encode_image, the image tower, batch
+1) and a training step (both towers, ClipLoss, backward, AdamW, batch 2). Fitted log-log
 slopes of time and memory against tokens in the JSON, and in the plot's legend. See
 rwkv_clip.resolution.
 

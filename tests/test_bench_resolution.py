@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from rwkv_clip.benchmark import interleaved, peak_memory, resident_bytes
+from rwkv_clip.benchmark import interleaved, parse_list, peak_memory, resident_bytes
 from rwkv_clip.config import load_model_configs
+from rwkv_clip.errors import ConfigError
 from rwkv_clip.resolution import (
     OURS,
     THEIRS,
@@ -20,6 +21,7 @@ from rwkv_clip.resolution import (
     loglog_slope,
     predict_seconds,
     run_case,
+    run_sweep,
     slopes,
 )
 
@@ -103,7 +105,8 @@ def test_a_case_times_both_models_and_measures_their_memory(task):
     assert (case["task"], case["side"], case["tokens"]) == (task, 24, 36)
     assert case["batch"] == (2 if task == "train" else 1)
     params = sum(p.numel() * p.element_size() for p in models[OURS].parameters())
-    inputs = case["batch"] * (3 * 24 * 24 * 4 + args.ctx_len * 8)  # fp32 images, int64 ids
+    # fp32 images; training also holds the int64 token ids (inference is the image tower)
+    inputs = case["batch"] * (3 * 24 * 24 * 4 + (args.ctx_len * 8 if task == "train" else 0))
     for name in (OURS, THEIRS):
         m = case[name]
         assert len(m["step_s"]) == 2 and m["finite"]
@@ -129,6 +132,9 @@ class Broken(torch.nn.Module):
     def forward(self, images, tokens):
         raise RuntimeError("sequence too long for this kernel\nsecond line")
 
+    def encode_image(self, images):
+        return self(images, None)
+
 
 def test_a_model_that_fails_is_dropped_with_its_error():
     args = load_model_configs(TINY)
@@ -140,6 +146,58 @@ def test_a_model_that_fails_is_dropped_with_its_error():
     assert slopes([case]) == [{"model": OURS, "task": "infer", "precision": "fp32",
                                "sides": [16], "time_slope": None, "memory_slope": None,
                                "step_memory_slope": None}]
+
+
+def test_training_sides_outside_the_inference_sides_run_too():
+    result = run_sweep(tiny_sweep(versus=None, sides=[16], train_sides=[32], repeats=1),
+                       lambda line: None)
+    assert [(c["task"], c["side"]) for c in result["cases"]] == [("infer", 16), ("train", 32)]
+
+
+def test_a_thread_count_below_one_is_a_config_error():
+    import argparse
+
+    from rwkv_clip.resolution import add_flags, sweep_from_flags
+    ap = argparse.ArgumentParser()
+    add_flags(ap)
+    ns = ap.parse_args(["--config", TINY, "--versus", "none", "--sides", "16", "--device",
+                        "cpu", "--threads", "0"])
+    with pytest.raises(ConfigError, match="--threads 0: expected at least 1"):
+        sweep_from_flags(ns)
+
+
+def test_a_missing_open_clip_is_a_config_error(monkeypatch):
+    import argparse
+
+    from rwkv_clip.resolution import add_flags, main
+    ap = argparse.ArgumentParser()
+    add_flags(ap)
+    monkeypatch.setitem(sys.modules, "open_clip", None)  # import open_clip: ImportError
+    ns = ap.parse_args(["--config", TINY, "--versus", "ViT-B-32", "--sides", "16",
+                        "--device", "cpu"])
+    with pytest.raises(ConfigError, match="pip install open_clip_torch"):
+        main(ns)
+
+
+def test_the_model_flag_finds_the_shipped_config_where_it_is_installed(tmp_path, monkeypatch):
+    import argparse
+    import shutil
+
+    from rwkv_clip import config
+    from rwkv_clip.resolution import add_flags, sweep_from_flags
+    shutil.copy(config.config_dir() / "RWKV_CLIP_B32.json", tmp_path)
+    monkeypatch.setattr(config, "config_dir", lambda: tmp_path)  # an installed package
+    ap = argparse.ArgumentParser()
+    add_flags(ap)
+    ns = ap.parse_args(["--model", "B32", "--versus", "none", "--sides", "224", "--device", "cpu"])
+    assert sweep_from_flags(ns).config == str(tmp_path / "RWKV_CLIP_B32.json")
+
+
+def test_a_list_flag_with_a_non_number_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"--sides '224,x': expected a comma-separated "
+                                          r"list of int"):
+        parse_list("224,x", int, None, "--sides")
+    assert parse_list("224, 448", int, None, "--sides") == [224, 448]
 
 
 def _script(repo_root, *flags):

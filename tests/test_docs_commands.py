@@ -106,29 +106,17 @@ COMMANDS: dict[str, str] = {
     '.venv/bin/pip install -e ".[dev,dali-cuda120]"': "help",
     "CUDA_HOME=/usr/local/cuda-12.6 .venv/bin/python -m rwkv_clip.ops build": "help",
     # benchmarks (minutes each on B/32): their flags
-    "python scripts/bench_infer.py --repeats 5 --modes eager,compiled --precisions fp32,bf16 "
+    "python scripts/bench_infer.py --repeats 5 --modes eager --precisions fp32,bf16 "
     "--breakdown": "help",
     "python scripts/bench_train.py --versus --repeats 5 --modes eager --batch-sizes 4,16 "
-    "--precisions fp32 --breakdown": "help",
-    "python scripts/bench_train.py --versus --repeats 3 --modes eager --batch-sizes 4 "
-    "--precisions bf16 --breakdown": "help",
-    "python scripts/bench_infer.py --repeats 3 --modes eager,compiled --precisions fp32": "help",
-    "python scripts/bench_train.py --versus --repeats 3 --modes eager,compiled --batch-sizes 4 "
-    "--precisions fp32": "help",
-    "python scripts/bench_train.py --versus none --repeats 3 --modes eager,compiled "
-    "--batch-sizes 4 --precisions bf16": "help",
-    "python scripts/bench_resolution.py --plot resolution.png": "help",
-    "python scripts/bench_resolution.py --sides 224,448,896 --tasks infer --threads 2 "
+    "--precisions fp32,bf16 --breakdown": "help",
+    "python scripts/bench_resolution.py --precisions fp32,bf16 --threads 2 "
     "--plot docs/img/resolution.png": "help",
-    "python scripts/bench_resolution.py --model B32 --precisions fp32,bf16": "help",
-    "python scripts/bench_wkv.py --shapes 16,77,10,64 --threads 1 --repeats 3": "help",
     "python scripts/bench_wkv.py --shapes 16,77,10,64": "help",
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu": "help",
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu --dtype bf16": "help",
-    'python -X importtime -c "import rwkv_clip.model, rwkv_clip.train.loop, rwkv_clip.eval.cli"':
-        "run",
     "python -m rwkv_clip.memory --config RWKV_CLIP_B32 --batch-size 16 --precision fp32 "
-    "--device cpu --measure": "help",
+    "--device cpu --measure --json": "help",
     # docs/lora.md: a fine-tune of a trained run (tests/test_lora.py runs the same steps on
     # the tiny config); the planner's B/32 table
     "python train.py --pretrained runs/default/checkpoints/epoch_latest.pt --lora-rank 16 "

@@ -61,6 +61,28 @@ def test_weights_of_another_image_size_load_resized():
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_config_inferred_for_weights_of_another_image_size():
+    """Weights without a config (zero_shot.py --model-weight) evaluated at another
+    --input-size: the config is inferred with the pos_embed to be resized, and only then."""
+    from rwkv_clip.factory import choose_model_args, infer_config
+    state = _tiny().state_dict()
+    assert infer_config(state, {"input_size": 32}) == "RWKV_CLIP_tiny"
+    assert infer_config({**state, "image_model.pos_embed": torch.zeros(1, 64, 64)}) is None
+    args, name = choose_model_args(None, StateDict(state, "a 16 px checkpoint"),
+                                   {"input_size": 32})
+    assert (name, args.input_size) == ("RWKV_CLIP_tiny", 32)
+
+
+@pytest.mark.parametrize("flag", ["--input-size", "--force-image-size", "--image-size"])
+def test_every_image_size_tool_takes_open_clips_flag_names(flag):
+    from rwkv_clip.eval.cli import build_eval_parser
+    from rwkv_clip.memory.cli import build_planner_parser
+    from rwkv_clip.train.args import build_train_parser
+    for parser in (build_train_parser(), build_planner_parser(), build_eval_parser(),
+                   build_eval_parser(retrieval=True)):
+        assert parser.parse_args([flag, "448"]).input_size == 448
+
+
 def test_forward_and_backward_of_4624_image_tokens_on_cpu():
     """272 px at patch 4: 68 x 68 = 4624 image tokens, more than 1024 px at patch 16 gives."""
     model = _tiny(272).train()

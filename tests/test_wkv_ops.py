@@ -208,6 +208,23 @@ def test_cuda_size_errors_before_anything_runs():
         build.resolve_cuda_variant("turbo")
 
 
+def test_cuda_kernels_take_an_empty_batch_without_launching(monkeypatch):
+    """B = 0 would launch a grid of zero blocks (a CUDA error): zeros come back instead,
+    nothing is built. The registered CUDA functions are called directly (no GPU here)."""
+    from rwkv_clip.ops import kernels
+
+    def no_build(*a, **k):
+        raise AssertionError("nothing to build for an empty batch")
+    monkeypatch.setattr(build, "get_cuda_kernel", no_build)
+    r, k, v, w = (torch.randn(0, 5, 16, dtype=torch.bfloat16) for _ in range(4))
+    u = torch.randn(2, 8)
+    y = kernels._wkv6_forward_cuda(r, k, v, w, u)
+    assert y.shape == (0, 5, 16) and y.dtype == torch.float32
+    grads = kernels._wkv6_backward_cuda(r, k, v, w, u, torch.zeros(0, 5, 16))
+    assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (r, k, v, w, u)]
+    assert not grads[4].any()
+
+
 def test_cuda_bad_head_size_raises_wkverror_without_compiling(monkeypatch):
     """run_native checks sizes before building: a fake CUDA call never reaches a compiler."""
     from rwkv_clip.ops import kernels
@@ -591,7 +608,22 @@ def test_compiled_model_matches_eager_with_no_graph_break():
 
 
 # ------------------------------------------------------- the CPU kernel's instruction set
-def test_cpu_build_targets_this_machines_instruction_set(monkeypatch):
+@pytest.fixture
+def fresh_env_overrides():
+    """The cached environment overrides read afresh in the test and after it."""
+    build.reset_env_overrides()
+    yield
+    build.reset_env_overrides()
+
+
+def test_an_unknown_cpu_isa_choice_is_a_wkv_error(monkeypatch, fresh_env_overrides):
+    monkeypatch.setenv(build.CPU_ISA_ENV_VAR, "avx2")
+    with pytest.raises(WKVError, match="RWKV_CLIP_WKV_CPU_ISA='avx2': expected 'native' or "
+                                       "'portable'"):
+        build.cpu_kernel_spec()
+
+
+def test_cpu_build_targets_this_machines_instruction_set(monkeypatch, fresh_env_overrides):
     """The CPU kernel is built with -march=native, named after the level and the exact
     feature set the compiler enables; another feature set is another cache entry, and the
     portable build (explicit flags from /proc/cpuinfo) is yet another."""
@@ -622,6 +654,27 @@ def test_cpu_build_targets_this_machines_instruction_set(monkeypatch):
     monkeypatch.setenv(build.CPU_ISA_ENV_VAR, "portable")
     build.reset_env_overrides()
     assert build.cpu_kernel_spec() == portable
+
+
+def test_a_lock_timeout_is_not_a_failed_native_build(tmp_path, monkeypatch):
+    """Waiting too long for another builder's lock neither marks the native build as
+    failed (that would pin this cache to the portable build) nor builds the portable one."""
+    from rwkv_clip.errors import KernelLockTimeoutError
+    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "check_cxx", lambda: None)
+    monkeypatch.setattr(build, "cpu_native_isa", lambda: ("fake_native", ["-march=native"]))
+    tried = []
+
+    def slow_holder(spec, verbose=False):
+        tried.append(spec.base_name)
+        raise KernelLockTimeoutError(f"timed out waiting for {spec.name}/build.lock")
+    monkeypatch.setattr(build, "build_kernel", slow_holder)
+    native, _ = build.cpu_kernel_specs()
+    with pytest.raises(KernelLockTimeoutError):
+        build.get_cpu_kernel()
+    assert tried == [native.base_name]
+    assert build.cpu_kernel_specs()[0] == native  # still tried first next time
 
 
 def test_portable_isa_levels_follow_cpuinfo(monkeypatch):

@@ -1,10 +1,8 @@
 """Data for RWKV-CLIP: writers and readers (RecordIO, WebDataset, parquet), loaders, a
 built-in set.
 
-:func:`build_train_loader` / :func:`build_eval_loader` pick DALI (GPU or CPU-only) or the
-PyTorch fallback; every loader yields ``(images float (B,3,S,S), tokens int64 (B,231))``.
-Every data problem is a :class:`DataError` naming file and record. Importing this package
-imports no DALI or open_clip and starts no workers.
+:func:`build_train_loader` / :func:`build_eval_loader` (:mod:`.loader`) pick DALI or the
+PyTorch fallback. Importing this package imports no DALI or open_clip and starts no workers.
 """
 
 from ..errors import DataError

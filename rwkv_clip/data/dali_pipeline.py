@@ -1,11 +1,8 @@
 """The original RWKV-CLIP DALI pipeline (dali.py), on GPU and in a CPU-only mode.
 
 ``dali_dataloader(args)`` keeps the original's contract and graph (``readers.mxnet`` or
-``readers.webdataset``, random-crop decode, resize, mirror, normalise). On purpose it
-differs in three ways: one pipeline per epoch seeded by (seed, rank, epoch), so a resumed
-run reproduces any epoch; padded last batches, so every rank has the same batch count;
-and files are checked in Python first, so bad records raise the torch loader's
-:class:`~rwkv_clip.errors.DataError` (or are skipped with ``skip_corrupt``).
+``readers.webdataset``, random-crop decode, resize, mirror, normalise); its deliberate
+differences (per-epoch seeding, padded batches, Python-side checks) are in docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The one image-decodability predicate of every training loader.
 
-:func:`decode_image` holds PIL to DALI's CPU decoder's rules (nvImageCodec's header check
-refuses a broken marker sequence; a libjpeg error after the last pixel row keeps the
-decoded image), so with ``skip_corrupt`` the torch and DALI loaders train on and skip the
-same damaged JPEGs (``tests/test_data_decoder_agreement.py``). Truncated JPEGs are refused
-before decoding by :func:`~.recordio.check_rec`; non-JPEG images are decoded by PIL.
+:func:`decode_image` holds PIL to DALI's CPU decoder's rules, so the torch and DALI
+loaders train on and skip the same damaged images.
 """
 
 from __future__ import annotations
@@ -88,8 +85,12 @@ def _fully_decoded_despite_error(data: bytes, min_side: int) -> Image.Image | No
 
 def decode_image(data: bytes, min_side: int) -> Image.Image:
     """Decode image bytes to an RGB PIL image, refusing (OSError or PIL's own errors)
-    exactly what DALI's CPU decoder refuses (module docstring). JPEGs use PIL's draft
-    mode at no less than ``min_side`` on the short side; good images decode as before."""
+    exactly what DALI's CPU decoder refuses: nvImageCodec's header check refuses a broken
+    marker sequence, and a libjpeg error after the last pixel row keeps the decoded image.
+    So with ``skip_corrupt`` the torch and DALI loaders skip the same damaged JPEGs
+    (``tests/test_data_decoder_agreement.py``). Truncated JPEGs are refused before
+    decoding by :func:`~.recordio.check_rec`; non-JPEG images are decoded by PIL. JPEGs
+    use PIL's draft mode at no less than ``min_side`` on the short side."""
     if data[:2] == JPEG_SOI:
         problem = jpeg_header_problem(data)
         if problem:

@@ -1,13 +1,8 @@
 """Caption tokens as stored in the data: 3 x 77 CLIP token ids per sample.
 
-Layout (the original's, read by its train.py as ``token[:77]``, ``[77:154]``,
-``[154:231]``): raw caption, synthetic caption, generated caption, each tokenised by
-open_clip's ``tokenize`` (BPE vocab 49408, context 77, SOT/EOT, zero padded, truncated
-with EOT kept). A missing variant (None/empty) repeats the raw caption.
-
-The original's ``data2rec.py`` wrote only two captions (154 labels); such records are
-accepted and padded by repeating the second caption as the third (``normalize_labels``).
-Any other label count is a :class:`DataError`.
+Raw, synthetic and generated caption, in the original's layout (:func:`encode_captions`);
+the original data2rec's two-caption records are accepted (:func:`normalize_labels`), any
+other label count is a :class:`DataError`.
 """
 
 from __future__ import annotations
@@ -37,7 +32,9 @@ def _get_tokenize():
 
 
 def tokenize_texts(texts: Sequence[str]) -> np.ndarray:
-    """Tokenise a list of strings -> int64 array (len(texts), 77)."""
+    """Tokenise a list of strings -> int64 array (len(texts), 77), with open_clip's
+    ``tokenize`` (BPE vocab 49408, context 77, SOT/EOT, zero padded, truncated with EOT
+    kept)."""
     if len(texts) == 0:
         return np.zeros((0, CONTEXT_LENGTH), dtype=np.int64)
     uniq = list(dict.fromkeys(texts))  # tokenise each distinct string once
@@ -59,7 +56,12 @@ def _variants(raw: str, synthetic: str | None, generated: str | None) -> list[st
 
 def encode_captions(raw: str, synthetic: str | None = None,
                     generated: str | None = None) -> np.ndarray:
-    """Three captions -> int64 array (231,) = concat of three 77-token rows."""
+    """Three captions -> int64 array (231,) = concat of three 77-token rows.
+
+    The order is the original's, read by its train.py as ``token[:77]`` (raw),
+    ``[77:154]`` (synthetic), ``[154:231]`` (generated); a missing variant (None/empty)
+    repeats the raw caption.
+    """
     return tokenize_texts(_variants(raw, synthetic, generated)).reshape(-1)
 
 

@@ -1,14 +1,7 @@
 """WebDataset shards with a pre-tokenised ``tok`` component: listing, indexing, checks.
 
-A training sample is a group of tar members sharing a key: an image (``jpg``, also
-``jpeg``/``png``/``webp``) and ``tok`` (231, or 154, little-endian int32 token ids as
-written by :func:`rwkv_clip.data.writers.write_wds`). Other members (txt, json) are
-ignored.
-
-``index_shards`` reads only the tar headers (uncompressed tars are seekable, so this
-is one small read per member) and returns byte ranges, which gives the torch loader
-random access and lets the DALI path reject bad shards in Python before DALI sees
-them.
+Shards are written by :func:`rwkv_clip.data.writers.write_wds`; :func:`index_shards` reads
+only the tar headers, so both loaders get random access and checks without unpacking.
 """
 
 from __future__ import annotations
@@ -103,7 +96,14 @@ class WdsIndex:
 
 
 def index_shards(paths: list[str]) -> WdsIndex:
-    """Scan tar headers of every shard; collect complete samples and problems."""
+    """Scan tar headers of every shard; collect complete samples and problems.
+
+    A sample is the tar members sharing a key: an image (``jpg``, also
+    ``jpeg``/``png``/``webp``) and ``tok`` (231, or 154, little-endian int32 token ids);
+    other members (txt, json) are ignored. Only the headers are read (an uncompressed tar
+    is seekable: one small read per member), and the byte ranges returned give the torch
+    loader random access and let the DALI path reject bad shards before DALI sees them.
+    """
     out = WdsIndex(list(paths))
     for path in paths:
         n_before = len(out.samples)

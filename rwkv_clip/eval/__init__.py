@@ -1,16 +1,8 @@
 """Zero-shot evaluation of RWKV-CLIP: classification on the paper's 11 sets or any image
-folder, image-text retrieval (MSCOCO, Flickr30k, JSONL), the linear probe, CLIP_benchmark-shaped
-results.
+folder, image-text retrieval (MSCOCO, Flickr30k, JSONL), the linear probe.
 
-Training-loop use::
-
-    from rwkv_clip.eval import evaluate_imagefolder
-    metrics = evaluate_imagefolder(model, "held_out/", device="cuda", batch_size=128)
-    metrics["acc1"], metrics["acc5"], metrics["mean_per_class_recall"]
-
-Preprocessing per set, as the original: ``eval_transform(dataset, input_size)``.
-
-Importing this package reads no data and starts no process group.
+In a training loop, ``evaluate_imagefolder(model, "held_out/", device="cuda")`` returns
+``acc1``, ``acc5``, ``mean_per_class_recall``. Importing this reads no data, starts no group.
 """
 from ..errors import DatasetNotFoundError, EvalError, ImageReadError
 from .datasets import (

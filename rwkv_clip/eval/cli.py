@@ -2,11 +2,7 @@
 :func:`zero_shot_main` / :func:`retrieval_main`).
 
 Both accept every flag of the original scripts of that name, so its evaluation shell
-scripts (``shell/test_zero_shot_*.sh``) run with only their paths filled in: the
-architecture flags override the chosen config, ``--precision`` is accepted and, as in the
-original, does not change how evaluation computes (fp32; ``--amp`` opts into autocast).
-The data root the original hard-codes in its ``dataloaders/`` comes from ``--data-root``
-or the ``RWKV_CLIP_DATA_ROOT`` environment variable.
+scripts run with only their paths filled in (docs/evaluation.md).
 """
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from ..config import str2bool
+from ..config import INPUT_SIZE_FLAGS, str2bool
 from ..errors import EvalError, run_cli
 from ..faults import DEFAULT_DIST_TIMEOUT
 from .runner import ARCH_FLAGS, run
@@ -184,7 +180,7 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     for key in ARCH_FLAGS:
         flag = "--" + key.replace("_", "-")
         typ = str2bool if key in _BOOL_FLAGS else float if key in _FLOAT_FLAGS else int
-        names = [flag]
+        names = list(INPUT_SIZE_FLAGS) if key == "input_size" else [flag]
         if retrieval and key == "image_output_cls_token":
             names.append("--image-output-cls_token")  # the original retrieval script's spelling
         g.add_argument(*names, dest=key, type=typ, default=None,

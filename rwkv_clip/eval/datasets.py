@@ -1,9 +1,8 @@
 """The evaluation sets, read from the usual on-disk layouts under ``--data-root``.
 
-Nothing is downloaded: a missing set fails with a message showing the layout we look
-for. Class names, templates and splits are the original's (shipped in
-``rwkv_clip/eval/data``); the one deviation, a SUN397 split that is the same on every
-machine, is described at :data:`SUN397_SEED`.
+Nothing is downloaded: a missing set shows the layout we look for. Class names, templates
+and splits are the original's (``rwkv_clip/eval/data``); the one deviation is at
+:data:`SUN397_SEED`.
 """
 from __future__ import annotations
 

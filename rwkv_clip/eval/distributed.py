@@ -1,8 +1,6 @@
 """Sharding and gathering for evaluation under torchrun (NCCL on GPU, gloo on CPU).
 
-Each rank evaluates one contiguous shard of the samples (the original's split: the first
-``n % world`` ranks take one extra sample); results are gathered to every rank as CPU
-tensors and put back in sample order, so the metrics equal a single-process run.
+Each rank evaluates one contiguous shard; results come back in sample order on every rank.
 Nothing here starts a process group (the CLI does, with
 :func:`rwkv_clip.distributed.init_distributed`).
 """
@@ -18,7 +16,8 @@ from ..errors import PeerRankError
 
 
 def shard_range(n: int, rank: int, world_size: int) -> range:
-    """Contiguous shard of ``range(n)`` for ``rank``; shards cover every index once."""
+    """Contiguous shard of ``range(n)`` for ``rank``; shards cover every index once (the
+    original's split: the first ``n % world_size`` ranks take one extra sample)."""
     base, extra = divmod(n, world_size)
     start = base * rank + min(rank, extra)
     return range(start, start + base + int(rank < extra))
@@ -27,7 +26,8 @@ def shard_range(n: int, rank: int, world_size: int) -> range:
 def gather_rows(indices: torch.Tensor, *tensors: torch.Tensor, info: DistInfo | None = None
                 ) -> tuple[torch.Tensor, ...]:
     """Gather per-rank rows (``indices`` (n,), tensors with n rows) from every rank and
-    return the tensors ordered by index. With one process it only sorts."""
+    return the tensors ordered by index, as CPU tensors on every rank, so the metrics
+    equal a single-process run. With one process it only sorts."""
     info = info or current()
     payload = [indices.cpu()] + [t.cpu() for t in tensors]
     if info.world_size > 1:

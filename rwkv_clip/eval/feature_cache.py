@@ -1,10 +1,7 @@
 """Frozen image features cached on disk, once per model, dataset, split and transform.
 
-A cache file is ``<cache dir>/<key>.pt`` holding ``features`` (N, C) float32 (L2
-normalised), ``targets`` (N,) and the ``meta`` the key was made from: a SHA-256 of the
-model's weights (names, shapes, dtypes and bytes), the dataset's name, root, split and
-size, the transform's ``repr`` and the compute precision. Anything that changes the
-features changes the key, so a stale file is never read.
+The key hashes everything that changes the features (:func:`cached_features`), so a
+stale file is never read.
 """
 from __future__ import annotations
 
@@ -54,7 +51,12 @@ def cached_features(model, eval_set: ClassificationSet, split: str, cache_dir: s
                     batch_size: int, workers: int = 0, precision: str = "fp32",
                     info: DistInfo | None = None, log=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(features, targets) of ``eval_set``: read from the cache, else encoded (sharded
-    over the ranks, gathered on all) and written by rank 0."""
+    over the ranks, gathered on all) and written by rank 0.
+
+    A cache file is ``<cache dir>/<key>.pt`` holding ``features`` (N, C) float32 (L2
+    normalised), ``targets`` (N,) and the ``meta`` the key was made from: the weights'
+    fingerprint, the dataset's name, root, split and size, the transform's ``repr`` and
+    the compute precision."""
     info = info or current()
     meta = {"weights": fingerprint, "dataset": eval_set.name, "root": root, "split": split,
             "num_samples": len(eval_set), "transform": describe_transform(transform),

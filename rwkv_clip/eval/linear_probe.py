@@ -1,13 +1,8 @@
 """Linear probe: a multinomial logistic regression on frozen, L2-normalised image features.
 
 CLIP's protocol (Radford et al. 2021, appendix A.3) as CLIP_benchmark's ``linear_probe``
-task: scikit-learn's L-BFGS logistic regression (at most 1000 iterations); the L2
-strength is searched over :data:`LAMBDAS` (1e-6 .. 1e6, 8 steps per decade) on a
-held-out part of the train split, coarse to fine (every second decade, then halving
-spans around the best), refit with the best value on the whole train split (on the
-k-shot subset with ``fewshot_k``) and scored on the test split. Results use
-CLIP_benchmark's names: ``lp_acc1``, ``lp_acc5``, ``lp_mean_per_class_recall``, plus
-the chosen ``C`` (scikit-learn's inverse strength, ``1 / lambda``).
+task, with its result names (``lp_acc1``, ``lp_acc5``, ``lp_mean_per_class_recall``); the
+L2 strength search over :data:`LAMBDAS` is in docs/linear-probe-and-validation.md.
 """
 from __future__ import annotations
 

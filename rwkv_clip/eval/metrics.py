@@ -1,11 +1,7 @@
 """Metrics for zero-shot classification and cross-modal retrieval.
 
-Names follow LAION-AI/CLIP_benchmark: ``acc1``, ``acc5``, ``mean_per_class_recall`` for
-classification; ``image_retrieval_recall@k`` (text -> image) and
-``text_retrieval_recall@k`` (image -> text) for retrieval. Values are fractions in [0, 1].
-
-Everything works on float logits: the original stored logits in an integer tensor,
-which turned near-ties into exact ties; we never do that.
+Names follow LAION-AI/CLIP_benchmark; values are fractions in [0, 1]. Everything works on
+float logits (the original's integer logits turned near-ties into exact ties).
 """
 from __future__ import annotations
 
@@ -109,7 +105,9 @@ def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor,
                       text_to_image: Sequence[int], ks: Iterable[int] = (1, 5, 10),
                       normalize: bool = True) -> dict[str, float]:
     """Image->text and text->image recall@k from features (a query counts when any of
-    its positives is in its top k). ``text_to_image[j]`` is the image of caption j."""
+    its positives is in its top k). ``text_to_image[j]`` is the image of caption j.
+    Keys: ``image_retrieval_recall@k`` (text -> image), ``text_retrieval_recall@k``
+    (image -> text)."""
     img = image_features.float()
     txt = text_features.float()
     if normalize:

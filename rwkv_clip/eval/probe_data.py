@@ -1,17 +1,8 @@
 """Train and test splits of the classification sets, for the linear probe.
 
 The test side is the zero-shot evaluation set (:func:`.datasets.build_classification_set`);
-the train side is the set's own training split, read with the same eval transform:
-
-* builtin     - the built-in training pairs (``train.rec``), labelled by the colour and
-  shape their raw caption names; test: the held-out zero-shot folder.
-* imagefolder - ``--data-root`` holding ``train/`` and ``test/`` image folders with the
-  same class sub-folders.
-* the paper's sets - torchvision's training split: cifar10/100 ``train``, food101
-  ``train``, pets ``trainval``, flowers ``train`` + ``val``, stanford_car ``train``, dtd
-  ``train`` + ``val`` (partition 1), aircraft ``trainval``; caltech101 and sun397 the
-  other part of the original's seeded split (3000 and 19850 images); imagenet the
-  ``train`` folder (or ``train.rec`` + ``train.idx``).
+the train side is the set's own training split, read with the same eval transform (the
+table per set is in docs/linear-probe-and-validation.md).
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Zero-shot classification.
-
-Classifier (the original's ``zero_shot_classifier``): for each class, encode every
-template filled with the class name, L2-normalise each text feature, average them and
-normalise the mean. Logits = 100 x (L2-normalised image features) @ classifier, in
-float32 (the original wrote them into an integer tensor; we keep floats). No sample is
-padded or counted twice, in one process or sharded over torchrun ranks.
+"""Zero-shot classification: the original's classifier (:func:`build_classifier`) and logits,
+kept in float32 where the original wrote them into an integer tensor. No sample is padded
+or counted twice, in one process or sharded over torchrun ranks.
 """
 from __future__ import annotations
 
@@ -29,7 +25,12 @@ def build_classifier(model, classnames: Sequence[str], templates: Sequence[str],
                      device: torch.device | str, batch_size: int = 256,
                      precision: str = "fp32", tokenizer=None) -> torch.Tensor:
     """(C, num_classes) float32 zero-shot weights, one unit column per class (``tokenizer``:
-    texts -> token ids, default CLIP's BPE at the model's context length)."""
+    texts -> token ids, default CLIP's BPE at the model's context length).
+
+    As the original's ``zero_shot_classifier``: for each class, encode every template
+    filled with the class name, L2-normalise each text feature, average them and normalise
+    the mean. Logits are then 100 x (L2-normalised image features) @ classifier, in float32.
+    """
     device = torch.device(device)
     if not classnames:
         raise ValueError("no class names")
@@ -112,7 +113,8 @@ def evaluate_imagefolder(model, folder: str | os.PathLike, device: torch.device 
     held-out split during training. Class names and templates default to the folder's
     ``classnames.json``/``templates.json``, else folder names and CLIP's 80 templates.
     ``input_size`` defaults to the model's image size. DDP / torch.compile wrappers are
-    unwrapped; train/eval mode is restored afterwards.
+    unwrapped; train/eval mode is restored afterwards. Returns a dict with ``acc1``,
+    ``acc5`` and ``mean_per_class_recall`` (fractions in [0, 1]).
 
     With a process group up, call it on every rank (each encodes a shard, all get the
     same metrics), or pass ``single_process=True`` to evaluate everything on this rank

@@ -1,17 +1,8 @@
 """The time mix's ``ln_x``: a GroupNorm with one group per head, computed on the CPU as a
 layer norm over each head's channels followed by the per-channel affine.
 
-Normalising a (rows, C) tensor in H groups of N = C / H channels is normalising each
-(row, head) slice of the (rows, H, N) view; the two differ only in float rounding
-(relative 1e-6 in fp32). On the CPU torch's GroupNorm backward is slow; the layer norm's
-backward is faster and saves what GroupNorm saves (the input and the per-(row, head) mean
-and 1/std), so memory is unchanged. The parameters stay ``ln_x.weight`` / ``ln_x.bias``
-of the ``nn.GroupNorm``.
-
-GPUs, low-precision inputs, TorchScript traces and ``torch.compile`` keep
-``nn.GroupNorm`` itself (inductor fuses it on its own). Under CPU autocast an fp32 input
-takes this path too where a backward will follow (autocast runs GroupNorm in fp32 there,
-and so does this); without grad GroupNorm's one fused pass is the cheaper forward.
+The CPU backward is faster than GroupNorm's at the same memory; the parameters stay
+``ln_x.weight`` / ``ln_x.bias`` of the ``nn.GroupNorm`` (:func:`head_group_norm`).
 """
 from __future__ import annotations
 
@@ -47,7 +38,15 @@ class _HeadNorm(torch.autograd.Function):
 
 
 def head_group_norm(y: torch.Tensor, norm: nn.GroupNorm) -> torch.Tensor:
-    """``norm(y)`` for y (rows, C) and ``norm`` a GroupNorm over C channels in heads."""
+    """``norm(y)`` for y (rows, C) and ``norm`` a GroupNorm over C channels in heads.
+
+    Normalising in H groups of N = C / H channels is normalising each (row, head) slice of
+    the (rows, H, N) view, so on the CPU this is a layer norm plus the per-channel affine:
+    same values up to float rounding, a faster backward than torch's GroupNorm, and the
+    same saved tensors (the input and the per-(row, head) mean and 1/std). GPUs,
+    low-precision inputs, TorchScript traces and ``torch.compile`` keep ``nn.GroupNorm``
+    (inductor fuses it on its own); under CPU autocast an fp32 input takes this path where
+    a backward will follow, and without grad GroupNorm's one fused pass is cheaper."""
     if (y.device.type != "cpu" or y.dtype not in (torch.float32, torch.float64) or y.dim() != 2
             or not norm.affine or norm.weight.dtype != y.dtype
             or torch.jit.is_tracing() or torch.compiler.is_compiling()

@@ -1,17 +1,8 @@
 """``torch.lerp`` with a backward that reduces broadcast operands in fewer passes.
 
-The towers mix each token with its shifted neighbours by ``lerp(x, shifted, weight)``,
-five (or two) mixes at once with a stacked weight that broadcasts x and shifted over the
-stack. autograd's lerp backward forms ``grad * (1 - weight)``, ``grad * weight`` and
-``grad * (end - start)`` at the stack's full size and reduces each; here the start
-gradient is ``sum(grad) - sum(grad * weight)`` reduced first: no ``1 - weight`` tensor and
-one full-size product fewer. In bf16/fp16 that difference would cancel, so the start
-gradient keeps torch's ``grad * (1 - weight)``. The forward is ``torch.lerp`` itself and
-the saved tensors are the same three.
-
-:func:`lerp_split` is the stacked lerp returned as its slices (what the towers unbind):
-its backward takes the slices' gradients one by one, without autograd stacking them into
-one more (S, ...) tensor, and writes the weight's gradient slice by slice.
+The towers mix each token with its shifted neighbours by ``lerp(x, shifted, weight)``, five
+(or two) mixes at once with a stacked weight; :func:`lerp` and :func:`lerp_split` (the
+stacked lerp as its slices) keep the forward and save less work in the backward.
 """
 from __future__ import annotations
 
@@ -50,7 +41,13 @@ class _Lerp(torch.autograd.Function):
 
 
 def lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``torch.lerp(start, end, weight)`` (same values, same saved tensors)."""
+    """``torch.lerp(start, end, weight)`` (same values, same saved tensors).
+
+    autograd's lerp backward forms ``grad * (1 - weight)``, ``grad * weight`` and
+    ``grad * (end - start)`` at the broadcast size and reduces each; here, in fp32/fp64,
+    the start gradient is ``sum(grad) - sum(grad * weight)``: no ``1 - weight`` tensor and
+    one full-size product fewer (bf16/fp16 keep torch's form, where the difference would
+    cancel)."""
     return _Lerp.apply(start, end, weight)
 
 
@@ -114,7 +111,10 @@ def _stacked_products(grads: tuple[torch.Tensor, ...], factors) -> torch.Tensor:
 def lerp_split(start: torch.Tensor, end: torch.Tensor,
                weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``torch.lerp(start, end, weight).unbind(0)`` for a stacked weight (S, *shape) and
-    start, end of that shape (same values and saved tensors as :func:`lerp`)."""
+    start, end of that shape (same values and saved tensors as :func:`lerp`).
+
+    The backward takes the slices' gradients one by one, without autograd stacking them
+    into one more (S, ...) tensor, and writes the weight's gradient slice by slice."""
     if (start.shape != end.shape or weight.dim() != start.dim() + 1
             or torch.broadcast_shapes(weight.shape[1:], start.shape) != start.shape):
         return lerp(start, end, weight).unbind(0)

@@ -1,19 +1,8 @@
 """The towers' matrix products: ``Linear``, ``matmul`` and ``conv2d``.
 
-Outside CPU low-precision autocast these are exactly ``nn.Linear``, ``a @ b`` and
-``F.conv2d``. Under bf16/fp16 autocast on a CPU without native bf16/fp16 GEMMs (no
-AVX512-BF16 or AMX), where torch emulates those products slowly, the operands are rounded
-to the autocast dtype as autocast would round them, multiplied by the fp32 GEMM and the
-result rounded back: the arithmetic of a bf16 GEMM with fp32 accumulation (products of two
-bf16 or fp16 numbers are exact in fp32), so only the order of the fp32 sums can differ.
-Autograd saves the same low-precision tensors as autocast's own products, and gradients
-are rounded where autocast's are. :func:`rwkv_clip.cpu_gemm.cpu_matmul_in_fp32` decides,
-once per dtype (``RWKV_CLIP_CPU_LOWP_MATMUL=auto|native|fp32`` overrides).
-
-In fp32 on the CPU, ``Linear``'s forward may run oneDNN's matmul instead of torch's
-default sgemm (MKL) for wide products (:func:`rwkv_clip.cpu_gemm.cpu_linear_uses_onednn`;
-``RWKV_CLIP_CPU_LINEAR=auto|onednn|mkl``), and so may the input gradient's product in
-eager mode; the weight gradient's is torch's mm.
+Exactly ``nn.Linear``, ``a @ b`` and ``F.conv2d``, except on CPUs: under bf16/fp16 autocast
+without native low-precision GEMMs they run autocast's arithmetic on the fp32 GEMM, and
+wide fp32 ``Linear`` forwards may use oneDNN (both in docs/differences.md).
 """
 from __future__ import annotations
 
@@ -74,7 +63,10 @@ class _UpcastMatmul(torch.autograd.Function):
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (b 2-D, or batched as ``torch.bmm``), see the module docstring."""
+    """``a @ b`` (b 2-D, or batched as ``torch.bmm``). Under CPU bf16/fp16 autocast where
+    :func:`rwkv_clip.cpu_gemm.cpu_matmul_in_fp32` says so (once per dtype), the operands
+    are rounded as autocast would, multiplied by the fp32 GEMM and the result rounded back
+    (docs/differences.md)."""
     dtype = _upcast_dtype(a)
     if dtype is None:
         return torch.matmul(a, b)
@@ -95,8 +87,9 @@ def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 # An operator (torch.library), so that torch.compile keeps it as one opaque call: inductor
 # would otherwise see aten.linear and run MKL's sgemm (its own lowering of the oneDNN op
-# needs frozen weights). The backward products are autograd's own (the same mm calls as
-# F.linear's backward, also visible to the compiler); the saved tensors are F.linear's.
+# needs frozen weights). In the backward the input gradient's product is oneDNN's too in
+# eager mode, the other products torch's (visible to the compiler); the saved tensors are
+# F.linear's.
 @torch.library.custom_op("rwkv_clip::onednn_linear", mutates_args=(), device_types="cpu")
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
@@ -141,7 +134,9 @@ _onednn_linear.register_autograd(_onednn_linear_backward, setup_context=_onednn_
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, see the module docstring."""
+    """``F.linear``; on the CPU as :func:`matmul` under low-precision autocast, and in
+    fp32 possibly oneDNN's matmul for wide products
+    (:func:`rwkv_clip.cpu_gemm.cpu_linear_uses_onednn`; docs/differences.md)."""
     dtype = _upcast_dtype(x)
     if dtype is None:
         if not _use_onednn(x, weight):
@@ -191,7 +186,8 @@ class _UpcastConv2d(torch.autograd.Function):
 
 def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            stride: tuple[int, int], padding: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """``F.conv2d`` with ``stride`` and ``padding``, see the module docstring."""
+    """``F.conv2d`` with ``stride`` and ``padding``; on the CPU under low-precision
+    autocast as :func:`matmul` (docs/differences.md)."""
     dtype = _upcast_dtype(x)
     if dtype is None:
         return F.conv2d(x, weight, bias, stride, padding)

@@ -1,13 +1,7 @@
 """``torch.square(torch.relu(x))``, the channel mixes' activation, with a shorter backward.
 
-autograd runs the pair's backward as pow's (``grad * (2 * r.pow(1))``, three passes over
-the (B, T, 4C) tensor) then relu's mask (a fourth); here it is ``(grad * r) * 2``, two
-passes, from the one tensor both save (r = relu(x)). The values are bit-identical: the
-forward is the same two ops, and scaling by 2 commutes with rounding (where r is 0 the
-product is a zero too, the mask's job). CPU autocast leaves both ops in the input's dtype,
-so it takes the same path; under CUDA autocast the plain expression is kept, so that
-autocast's own casting rules (pow runs in fp32 there) apply unchanged. Without grad and
-with ``inplace=True`` the two ops overwrite x instead of allocating two new tensors.
+Two passes over the (B, T, 4C) tensor instead of autograd's four, with bit-identical
+values (:func:`relu_square`).
 """
 from __future__ import annotations
 
@@ -31,7 +25,15 @@ class _ReluSquare(torch.autograd.Function):
 
 def relu_square(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """``torch.square(torch.relu(x))`` (same values and saved tensor). ``inplace``: x is
-    the caller's scratch, overwritten with the result where nothing needs its gradient."""
+    the caller's scratch, overwritten with the result where nothing needs its gradient.
+
+    autograd runs the pair's backward as pow's (``grad * (2 * r.pow(1))``, three passes
+    over the (B, T, 4C) tensor) then relu's mask (a fourth); here it is ``(grad * r) * 2``,
+    two passes, from the one tensor both save (r = relu(x)). The values are bit-identical:
+    the forward is the same two ops, and scaling by 2 commutes with rounding (where r is 0
+    the product is a zero too, the mask's job). CPU autocast leaves both ops in the input's
+    dtype, so it takes the same path; under GPU autocast the plain expression is kept, so
+    that autocast's own casting rules (pow runs in fp32 there) apply unchanged."""
     if torch.jit.is_tracing() or (x.device.type != "cpu"
                                   and torch.is_autocast_enabled(x.device.type)):
         return torch.square(torch.relu(x))

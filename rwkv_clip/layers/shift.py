@@ -1,12 +1,8 @@
 """Token shifts: the only way RWKV mixes neighbouring tokens outside the WKV scan.
 
-Both shifts work per head: channels of each head are split into groups and each group
-is taken from a different neighbour, with zeros where the neighbour does not exist.
-
-A shift is linear and its adjoint is the opposite shift (each group taken from the other
-side, zeros at the other border), so backward is one more shift: one pass over the
-gradient instead of the clone per slice assignment and the zero-filled full-size
-gradient per source slice that autograd would chain through the in-place copies.
+Both shifts work per head: channels of each head are split into groups and each group is
+taken from a different neighbour, with zeros where the neighbour does not exist. Backward
+is the opposite shift (:func:`_register`).
 """
 from __future__ import annotations
 
@@ -72,6 +68,11 @@ def _shift_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 
 def _register(op: Any) -> None:
+    """Fake and autograd for a shift operator. A shift is linear and its adjoint is the
+    opposite shift (each group taken from the other side, zeros at the other border), so
+    backward is one more shift: one pass over the gradient instead of the clone per slice
+    assignment and the zero-filled full-size gradient per source slice that autograd would
+    chain through the in-place copies."""
     def backward(ctx: Any, grad: torch.Tensor):  # the adjoint: the opposite shift
         return op(grad, ctx.s, not ctx.adjoint), None, None
     op.register_fake(_shift_fake)

@@ -1,15 +1,8 @@
-"""``python -m rwkv_clip.memory``: the planner's command line.
+"""``python -m rwkv_clip.memory``: the planner's command line (docs/training.md).
 
-    python -m rwkv_clip.memory --config model_config/RWKV_CLIP_B32.json --batch-size 256 \
-        --precision bf16 [--input-size 896] [--checkpointing] [--gradient-acc K] [--gpus N] \
-        [--measure] [--json]
-
-The flags mean what train.py's do: ``--batch-size`` is the micro-batch per GPU (one
-forward/backward), ``--gradient-acc K`` micro-batches make one optimizer step, so a GPU
-sees batch-size x K pairs per step and the loss scores batch-size x K x gpus of them.
-
-User errors (a missing or bad config, a bad flag value) are one line ``error: ...`` and exit
-status 2 (:func:`rwkv_clip.errors.run_cli`).
+The flags mean what train.py's do (``--batch-size`` per GPU, ``--gradient-acc K``
+micro-batches per step), so a training command's values can be copied. User errors are
+one line ``error: ...`` and exit status 2 (:func:`rwkv_clip.errors.run_cli`).
 """
 from __future__ import annotations
 
@@ -21,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ..config import INPUT_SIZE_FLAGS
 from ..errors import TrainArgsError, run_cli
 from ..lora import BASE_PRECISIONS, DEFAULT_TARGETS, parse_targets
 from ..precision import canonical_precision
@@ -55,7 +49,7 @@ def build_planner_parser() -> argparse.ArgumentParser:
                                         "train.py's do, so a training command's values can "
                                         "be copied here.")
     ap.add_argument("--config", default=None, help="model config JSON (default: B/32)")
-    ap.add_argument("--input-size", "--image-size", "--force-image-size", dest="input_size",
+    ap.add_argument(*INPUT_SIZE_FLAGS, dest="input_size",
                     type=int, default=None, metavar="PIXELS",
                     help="image side in pixels (train.py's --input-size; default: the "
                          "config's): the image tower sees (side / patch)^2 tokens")

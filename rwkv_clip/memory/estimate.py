@@ -1,18 +1,7 @@
 """The estimate: peak bytes of a training step or of inference, and the card table.
 
-Backward is simulated segment by segment (:mod:`.walk`) in the order autograd runs it (text
-tower first, it was built last): saved activations of not-yet-processed segments + gradients
-produced so far + the working set of the segment being differentiated. Nothing is fitted to
-a measurement.
-
-Conventions: ``batch`` is per GPU; with ``gradient_acc`` K each micro-batch has batch/K
-samples, the gradients stay alive across micro-batches and the loss still scores the whole
-batch (the training loop's exact accumulation caches every micro-batch's features); the loss
-is in fp32; ``gpus`` N makes the ClipLoss logits (N*B) x (N*B) (no ``local_loss``) and adds
-DDP's gradient buckets (one more copy of the gradients). Steady state is assumed (AdamW
-moments already exist, gradients set to None between steps). The optimizer is the trainer's
-fused AdamW: two moments per parameter in the parameter's dtype, updated in place (no
-parameter-sized temporaries on CPU or CUDA, nor in the foreach gradient clipping).
+Backward is replayed segment by segment (:mod:`.walk`) in autograd's order; the model and
+its conventions are at :func:`training_peak`. Nothing is fitted to a measurement.
 """
 from __future__ import annotations
 
@@ -81,7 +70,21 @@ def training_peak(args: Any, batch: int, precision: str, checkpointing: bool = F
                   gradient_acc: int = 1, gpus: int = 1, device: str = "cuda",
                   local_loss: bool = False, params: ParamTable | None = None) -> dict:
     """Peak bytes of one steady-state training step and its parts. ``params`` is
-    :func:`~.walk.parameter_table` of ``args`` (built here when not given)."""
+    :func:`~.walk.parameter_table` of ``args`` (built here when not given).
+
+    Backward is replayed segment by segment in the order autograd runs it (text tower
+    first, it was built last): saved activations of not-yet-processed segments + gradients
+    produced so far + the working set of the segment being differentiated.
+
+    ``batch`` is per GPU; with ``gradient_acc`` K each micro-batch has batch/K samples, the
+    gradients stay alive across micro-batches and the loss still scores the whole batch;
+    the loss is in fp32; ``gpus`` N makes the ClipLoss logits (N*B) x (N*B) (no
+    ``local_loss``) and adds DDP's gradient buckets (one more copy of the gradients).
+    Steady state is assumed (AdamW moments already exist, gradients set to None between
+    steps). The optimizer is the trainer's fused AdamW: two moments per parameter in the
+    parameter's dtype, updated in place (no parameter-sized temporaries on CPU or CUDA,
+    nor in the foreach gradient clipping).
+    """
     amp = amp_dtype(precision)
     table = parameter_table(args) if params is None else params
     pbytes = table.nbytes()

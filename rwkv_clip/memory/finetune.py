@@ -1,12 +1,7 @@
 """Fine-tuning modes of the planner: a locked tower, LoRA adapters (``train.py
 --lock-image/--lock-text``, ``--lora-rank``).
 
-A frozen parameter has no gradient and no AdamW moments, and the walker
-(:class:`.walk.Walker`) follows which tensors need a gradient: a frozen tower saves
-nothing; through frozen weights the graph keeps only what the gradient of the input needs
-(the weight, not the input); each adapted linear adds peft's LoRA branch (fp32 adapters
-``lora_A`` (r, in) and ``lora_B`` (out, r)). With a bf16 base the frozen matrices are
-stored in bf16, as :func:`rwkv_clip.lora.add_adapters` stores them.
+Frozen parameters have no gradient or moments and save less (:func:`configure_walker`).
 """
 from __future__ import annotations
 
@@ -78,7 +73,14 @@ def finetune_table(model: nn.Module, ft: FineTune) -> ParamTable:
 
 
 def configure_walker(walker: Any, ft: FineTune, table: ParamTable) -> None:
-    """The walker's LoRA state: adapted linears and their rank, base dtype, dropout."""
+    """The walker's LoRA state: adapted linears and their rank, base dtype, dropout.
+
+    A frozen parameter has no gradient and no AdamW moments; the walker follows which
+    tensors need a gradient: a frozen tower saves nothing; through frozen weights the graph
+    keeps only what the gradient of the input needs (the weight, not the input); each
+    adapted linear adds peft's LoRA branch (fp32 ``lora_A`` (r, in) and ``lora_B`` (out,
+    r)). With a bf16 base the frozen matrices are stored in bf16, as
+    :func:`rwkv_clip.lora.add_adapters` stores them."""
     suffix = f".lora_A.{ADAPTER_NAME}.weight"
     walker.adapted = {name[:-len(suffix)]: ft.lora_rank for name, _, _ in table.items
                       if name.endswith(suffix)}

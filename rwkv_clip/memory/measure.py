@@ -1,18 +1,7 @@
 """Measuring: one real training step (or inference forward) and its peak memory.
 
-The step is the trainer's own (:func:`rwkv_clip.train.accumulation.train_step` with the
-trainer's optimizer, GradScaler and clipping; see :func:`make_step`). Each measurement runs
-in a fresh Python process so that earlier allocations and the allocator's history do not
-blur the peak. The protocol between :func:`measure` (parent) and :func:`worker_main`
-(child) is:
-
-1. the parent writes a :class:`MeasureSpec` as JSON to a file;
-2. it runs ``python -c WORKER_CODE SPEC.json RESULT.json`` (``WORKER_CODE`` calls
-   :func:`worker_main`), with glibc malloc settings that make RSS follow live tensors;
-3. the child runs :func:`run_measurement` and writes its result dict as JSON to
-   ``RESULT.json``; a failure is its exit status and traceback on stderr;
-4. the parent reads the result, or raises :class:`MeasurementError` with the child's last
-   lines of stderr.
+The step is the trainer's own (:func:`make_step`). Each measurement runs in a fresh
+Python process so that earlier allocations do not blur the peak (:func:`measure`).
 """
 from __future__ import annotations
 
@@ -289,8 +278,19 @@ def worker_env() -> dict[str, str]:
 def measure(config: str, batch: int, precision: str, checkpointing: bool, device: str,
             mode: str = "train", wkv_backend: str | None = None,
             timeout: float = 1800, finetune: Any = None, input_size: int | None = None) -> dict:
-    """Run :func:`run_measurement` in a fresh subprocess (protocol in the module
-    docstring); returns its dict. ``finetune``: a :class:`.finetune.FineTune`."""
+    """Run :func:`run_measurement` in a fresh subprocess; returns its dict.
+    ``finetune``: a :class:`.finetune.FineTune`.
+
+    The protocol with the child (:func:`worker_main`):
+
+    1. the parent writes a :class:`MeasureSpec` as JSON to a file;
+    2. it runs ``python -c WORKER_CODE SPEC.json RESULT.json`` (``WORKER_CODE`` calls
+       :func:`worker_main`), with glibc malloc settings that make RSS follow live tensors;
+    3. the child runs :func:`run_measurement` and writes its result dict as JSON to
+       ``RESULT.json``; a failure is its exit status and traceback on stderr;
+    4. the parent reads the result, or raises :class:`MeasurementError` with the child's
+       last lines of stderr.
+    """
     ft = None if finetune is None else {**asdict(finetune),
                                         "lora_targets": list(finetune.lora_targets)}
     spec = MeasureSpec(str(config), batch, precision, checkpointing, device, mode,

@@ -1,16 +1,8 @@
 """The model walker: the parameters the model holds and the tensors autograd saves.
 
-Parameters are read from the real model built on the meta device (``torch.device("meta")``:
-every parameter's name, shape and dtype, no storage, no WKV call), so the table cannot drift
-from :mod:`rwkv_clip.model`.
-
-Activations are walked op by op (the same ops as :mod:`rwkv_clip.image_rwkv`,
-:mod:`rwkv_clip.text_rwkv` and :mod:`rwkv_clip.layers.time_mix`): for each op, the tensors
-autograd saves for backward, in the dtype autocast gives them (linear/matmul/bmm/conv in the
-low precision; layer_norm, group_norm, pow and the loss in fp32 on CUDA; plain type promotion
-elsewhere). A tensor saved by several ops is counted once. The forward is cut into segments
-(embedding, each block, head, loss) so that :mod:`.estimate` can replay backward in the order
-autograd runs it.
+Parameters are read from the model built on the meta device (:func:`parameter_table`), so
+the table cannot drift from :mod:`rwkv_clip.model`; activations are walked op by op, in
+segments :mod:`.estimate` replays backward over (:func:`activation_segments`).
 """
 from __future__ import annotations
 
@@ -372,7 +364,13 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
                         world_size: int = 1, local_loss: bool = False,
                         loss_batch: int | None = None,
                         params: ParamTable | None = None) -> Plan:
-    """Forward, segment by segment, for one micro-batch of ``batch`` samples; the loss
+    """Forward, segment by segment, for one micro-batch of ``batch`` samples.
+
+    Op by op (the same ops as :mod:`rwkv_clip.image_rwkv`, :mod:`rwkv_clip.text_rwkv` and
+    :mod:`rwkv_clip.layers.time_mix`), the tensors autograd saves for backward, in the
+    dtype autocast gives them (linear/matmul/bmm/conv in the low precision; layer_norm,
+    group_norm, pow and the loss in fp32 on CUDA; plain type promotion elsewhere); a tensor
+    saved by several ops is counted once. Segments: embedding, each block, head, loss. The loss
     scores ``loss_batch`` samples per rank (the whole accumulated batch: the training
     loop's exact accumulation caches every micro-batch's features). ``params`` is
     :func:`parameter_table` of ``args`` (built here when not given)."""

@@ -1,18 +1,8 @@
 """The bidirectional WKV6 operator behind both RWKV-CLIP towers.
 
-One entry point, :func:`wkv6_bidirectional`, three backends:
-
-* ``"cuda"``      - native CUDA kernel (built on first use, cached on disk)
-* ``"cpu"``       - native C++/OpenMP kernel (built on first use, cached on disk)
-* ``"reference"`` - pure PyTorch, any dtype including float64 (slow; the test oracle)
-
-The native backends are the PyTorch operators ``torch.ops.rwkv_clip.wkv6_forward`` /
-``wkv6_backward`` (:mod:`rwkv_clip.ops.kernels`), so ``torch.compile(model,
-fullgraph=True)`` sees one opaque call per WKV and meta / fake tensors get shapes and
-dtypes without a kernel. The backend follows the tensors' device unless overridden by
-the ``backend`` argument or the ``RWKV_CLIP_WKV_BACKEND`` environment variable (read
-once, on the first call; :func:`reset_backend_override` forgets it). Nothing is
-compiled at import.
+One entry point, :func:`wkv6_bidirectional`, three backends: ``"cuda"`` and ``"cpu"``
+(native kernels built on first use, :mod:`.kernels`) and ``"reference"`` (pure PyTorch,
+the test oracle). Backend choice and overrides: docs/wkv.md. Nothing is compiled at import.
 """
 from __future__ import annotations
 

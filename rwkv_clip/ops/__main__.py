@@ -1,12 +1,7 @@
 """``python -m rwkv_clip.ops build``: compile the native WKV kernels ahead of time.
 
-Builds the CPU kernel (one build serves every head size and sequence length, compiled for
-this machine's instruction set, or the portable build where that fails) and, when a CUDA
-toolkit is found (a GPU is not needed), the CUDA kernels the published configs use: head
-size 64 (text) and 80 (image), each for any sequence length.
-
-A failed build prints one line ``error: ...`` (the compiler's last lines folded onto it)
-and exits with status 2.
+What gets built is at :func:`_build`. A failed build prints one line ``error: ...`` (the
+compiler's last lines folded onto it) and exits with status 2.
 """
 from __future__ import annotations
 
@@ -27,7 +22,8 @@ def _built_file(kernel) -> str:
 
 
 def _build(args: argparse.Namespace) -> None:
-    """Build every requested kernel; the first failure propagates (one error line)."""
+    """Build every requested kernel (the module docstring says which); the first failure
+    propagates (one error line)."""
     import torch
 
     from . import build, cache, toolchain

@@ -1,15 +1,8 @@
 """Lazy builds of the native WKV kernels: nothing runs at import. :func:`get_cpu_kernel`
-and :func:`get_cuda_kernel` compile on first use with ``torch.utils.cpp_extension``
-(ninja) into the cache (:mod:`.cache`), with the toolchain :mod:`.toolchain` finds:
-
-* CPU  - one build for every head size and sequence length (both runtime arguments), for
-  the machine's own instruction set (``-march=native``; the tag in its name says which),
-  with a portable build as the fallback.
-* CUDA - one build per (variant, head size N); any sequence length.
-
-Size and toolchain problems raise :class:`rwkv_clip.errors.WKVError` before any compiler
-runs; a failed compile raises :class:`rwkv_clip.errors.KernelBuildError` ending with the
-compiler's last lines.
+(one build for every head size and sequence length) and :func:`get_cuda_kernel` (one per
+variant and head size) compile on first use with ``torch.utils.cpp_extension`` into the
+cache (:mod:`.cache`). Size and toolchain problems raise :class:`rwkv_clip.errors.WKVError`
+before any compiler runs; a failed compile, :class:`rwkv_clip.errors.KernelBuildError`.
 """
 from __future__ import annotations
 
@@ -23,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import KernelBuildError, WKVError
+from ..errors import KernelBuildError, KernelLockTimeoutError, WKVError
 from .cache import KernelSpec, build_lock, cache_root, is_built, lock_timeout, module_name
 from .toolchain import (
     check_cxx,
@@ -201,7 +194,11 @@ def cpu_kernel_spec(portable: bool | None = None) -> KernelSpec:
     compiler cannot target it; the portable build has the explicit flags of the best
     level /proc/cpuinfo shows (AVX-512 with or without BF16, AVX2, or none)."""
     if portable is None:
-        portable = (env_override(CPU_ISA_ENV_VAR) or "native").strip().lower() == "portable"
+        choice = (env_override(CPU_ISA_ENV_VAR) or "native").strip().lower()
+        if choice not in ("native", "portable"):
+            raise WKVError(f"rwkv_clip: {CPU_ISA_ENV_VAR}={choice!r}: expected 'native' or "
+                           "'portable'")
+        portable = choice == "portable"
     native = None if portable else cpu_native_isa()
     tag, isa = native if native is not None else cpu_isa_flags()
     kind = "native" if native is not None else "portable"
@@ -247,6 +244,8 @@ def get_cpu_kernel(verbose: bool = False):
         for spec in specs[:-1]:
             try:
                 return build_kernel(spec, verbose=verbose)
+            except KernelLockTimeoutError:  # another builder is slow: not a failed compile
+                raise
             except KernelBuildError as e:
                 marker = _native_failed(spec)
                 marker.parent.mkdir(parents=True, exist_ok=True)

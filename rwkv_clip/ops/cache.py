@@ -1,11 +1,6 @@
-"""The on-disk cache of native WKV kernel builds: where it lives, the key that names each
-build's folder, the lock that serialises concurrent builders, and whether a build is there.
-
-Cache root: ``$RWKV_CLIP_KERNEL_CACHE`` if set, else ``$TORCH_EXTENSIONS_DIR/rwkv_clip``
-if that is set, else ``~/.cache/rwkv_clip/kernels``. Each build has its own folder named
-after a hash (:meth:`KernelSpec.key`) of everything that changes the binary; a finished
-build is marked by ``built.json``. Concurrent builders are serialised by an ``flock``
-that the OS releases when its holder dies.
+"""The on-disk cache of native WKV kernel builds: where it lives (:func:`cache_root`), the
+key that names each build's folder (:meth:`KernelSpec.key`), the ``flock`` that serialises
+concurrent builders, and whether a build is there (``built.json``, :func:`is_built`).
 """
 from __future__ import annotations
 
@@ -22,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import KernelBuildError, WKVError
+from ..errors import KernelLockTimeoutError, WKVError
 
 LOCK_TIMEOUT_ENV_VAR = "RWKV_CLIP_KERNEL_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT_S = 1800.0
@@ -30,6 +25,8 @@ CACHE_FORMAT = 3  # bump when the folder layout or the key's contents change
 
 
 def cache_root() -> Path:
+    """``$RWKV_CLIP_KERNEL_CACHE`` if set, else ``$TORCH_EXTENSIONS_DIR/rwkv_clip`` if that
+    is set, else ``~/.cache/rwkv_clip/kernels``."""
     base = os.environ.get("RWKV_CLIP_KERNEL_CACHE")
     if base:
         root = Path(base)
@@ -50,7 +47,7 @@ def _build_dir(name: str) -> Path:
 class KernelSpec:
     """Everything that decides one native build; :meth:`key` hashes it into the folder name."""
 
-    what: str                       # for messages: "CPU (avx2)", "CUDA faithful, N=64, T<=256"
+    what: str                       # for messages: "CPU (native, avx2)", "CUDA (faithful, head size 64, ...)"
     base_name: str                  # module name before the hash
     sources: tuple[Path, ...]
     headers: tuple[Path, ...] = ()  # included files: not compiled, but part of the key
@@ -112,7 +109,7 @@ def build_lock(path: Path, timeout: float):
 
     The OS drops the lock when its holder exits or is killed, so a dead builder never
     blocks anyone; a live holder that keeps it past ``timeout`` seconds raises
-    :class:`KernelBuildError` naming the lock file and its holder."""
+    :class:`KernelLockTimeoutError` naming the lock file and its holder."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +124,7 @@ def build_lock(path: Path, timeout: float):
             except BlockingIOError:
                 holder = _lock_holder(path)
                 if time.monotonic() >= deadline:
-                    raise KernelBuildError(
+                    raise KernelLockTimeoutError(
                         f"rwkv_clip: timed out after {timeout:.0f}s waiting for the kernel build "
                         f"lock {path} (held by {holder}); stop that process if it hangs, or raise "
                         f"{LOCK_TIMEOUT_ENV_VAR}") from None

@@ -1,14 +1,8 @@
 """Bidirectional WKV6 as one dense (T x T) mixing per head: the form exported to ONNX.
 
-For a fixed sequence length the operator is a sum over all positions s of
-``r[t]·(A[t, s] * k[s]) v[s]`` with a per-channel weight ``A[t, s, j]``: the bonus
-``u[j]`` on the diagonal and, off it, the decay products over the steps strictly between,
-``prod_{min<q<max} exp(-exp(w[q, j]))``. The products are built in log space from the
-cumulative sum ``C`` of ``exp(w)``: ``A[t, s] = exp(-(C[t-1] - C[s]))`` for ``s < t``
-(mirrored for ``s > t``), an exponent that is never positive, so nothing overflows
-however strong the decay, unlike the separable ``exp(-C[t]) * exp(C[s])``. Only
-standard operators (Cast, CumSum, Sub, Exp, Where, Mul, ReduceSum, MatMul), no loop: the
-exporter and onnxruntime see a plain graph. Memory is O(B·C·T²).
+Only standard operators (Cast, CumSum, Sub, Exp, Where, Mul, ReduceSum, MatMul), no loop:
+the exporter and onnxruntime see a plain graph (maths at :func:`wkv6_bidirectional_dense`
+and in docs/export.md).
 """
 from __future__ import annotations
 
@@ -21,6 +15,13 @@ def wkv6_bidirectional_dense(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tens
 
     r, k, v, w: (B, T, C) with C = H * N; u: (H, N). Computes in float32, or float64
     when any input is float64 (the dtype promotion of the reference); returns (B, T, C).
+
+    A sum over all positions s of ``r[t]·(A[t, s] * k[s]) v[s]`` with a per-channel weight
+    ``A[t, s, j]``: the bonus ``u[j]`` on the diagonal and, off it, the decay products over
+    the steps strictly between, ``prod_{min<q<max} exp(-exp(w[q, j]))``, built in log space
+    from the cumulative sum ``C`` of ``exp(w)``: ``A[t, s] = exp(-(C[t-1] - C[s]))`` for
+    ``s < t`` (mirrored for ``s > t``), an exponent never positive, so nothing overflows
+    however strong the decay. Memory is O(B·C·T²).
     """
     B, T, C = r.shape
     H, N = u.shape

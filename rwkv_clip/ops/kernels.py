@@ -1,20 +1,8 @@
 """The native WKV kernels as PyTorch operators: ``torch.ops.rwkv_clip.wkv6_forward`` and
-``torch.ops.rwkv_clip.wkv6_backward``.
+``torch.ops.rwkv_clip.wkv6_backward`` (dtypes at :func:`wkv6_forward`).
 
-Both are :func:`torch.library.custom_op` operators with CPU and CUDA implementations
-(the compiled kernels of :mod:`rwkv_clip.ops.build`), fake implementations giving
-shapes and dtypes (meta tensors, FakeTensor, ``torch.compile``), and autograd joining
-them. To ``torch.compile`` they are opaque calls, so a compiled model has no graph
-break at the WKV op, and nothing of the build machinery is traced: a kernel is built
-or loaded the first time an implementation runs and then found in a dict.
-
-Dtypes: y is float32 (B, T, C); each gradient comes back in its input's dtype. The CPU
-kernel reads every input in its own dtype (fp32, bf16, fp16, fp64); the CUDA kernels
-take r, k, v in one dtype, w in fp32 or that dtype, u in fp32, so the CUDA
-implementation converts on the device where the inputs do not fit.
-
-The two operators are registered when this module is imported (as any
-``torch.library`` operator); nothing is compiled then.
+Custom operators with fake implementations and autograd, opaque to ``torch.compile``;
+registered at import, built or loaded the first time one runs (docs/wkv.md).
 """
 from __future__ import annotations
 
@@ -32,7 +20,12 @@ DEFAULT_VARIANT = build.DEFAULT_CUDA_VARIANT
 @torch.library.custom_op("rwkv_clip::wkv6_forward", mutates_args=(), device_types="cpu")
 def wkv6_forward(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor,
                  cuda_variant: str = DEFAULT_VARIANT) -> Tensor:
-    """Bidirectional WKV6 forward; ``cuda_variant`` picks the CUDA kernel (ignored on CPU)."""
+    """Bidirectional WKV6 forward; ``cuda_variant`` picks the CUDA kernel (ignored on CPU).
+
+    y is float32 (B, T, C). The CPU kernel reads every input in its own dtype (fp32, bf16,
+    fp16, fp64); the CUDA kernels take r, k, v in one dtype, w in fp32 or that dtype, u in
+    fp32, so the CUDA implementation converts on the device where the inputs do not fit.
+    The backward returns each gradient in its input's dtype."""
     mod = build.get_cpu_kernel()
     return mod.forward(r.contiguous(), k.contiguous(), v.contiguous(), w.contiguous(),
                        u.contiguous())
@@ -59,6 +52,8 @@ def _cuda_inputs(r, k, v, w, u):
 
 @wkv6_forward.register_kernel("cuda")
 def _wkv6_forward_cuda(r, k, v, w, u, cuda_variant=DEFAULT_VARIANT):
+    if r.numel() == 0:  # an empty batch: a launch of zero blocks is a CUDA error
+        return r.new_zeros(r.shape, dtype=torch.float32)
     mod = build.get_cuda_kernel(u.shape[1], cuda_variant)
     with torch.cuda.device(r.device):
         return mod.forward(*_cuda_inputs(r, k, v, w, u))
@@ -83,6 +78,8 @@ def _wkv6_backward_fake(r, k, v, w, u, gy, cuda_variant=DEFAULT_VARIANT):
 
 @wkv6_backward.register_kernel("cuda")
 def _wkv6_backward_cuda(r, k, v, w, u, gy, cuda_variant=DEFAULT_VARIANT):
+    if r.numel() == 0:
+        return tuple(x.new_zeros(x.shape) for x in (r, k, v, w, u))
     mod = build.get_cuda_kernel(u.shape[1], cuda_variant)
     with torch.cuda.device(r.device):
         grads = mod.backward(*_cuda_inputs(r, k, v, w, u), gy.float().contiguous())
@@ -106,12 +103,6 @@ wkv6_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------ entry point
-def check_cuda_sizes(N: int) -> None:
-    """Raise :class:`WKVError` for a head size the CUDA kernels do not support, before any
-    build (every sequence length is supported)."""
-    build.check_cuda_head_size(N)
-
-
 def run_native(backend: str, r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor,
                variant: str | None = None) -> Tensor:
     """Run the native kernel of ``backend`` ("cpu" or "cuda"); returns float32 (B, T, C).
@@ -122,7 +113,7 @@ def run_native(backend: str, r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tens
         return wkv6_forward(r, k, v, w, u)
     if backend == "cuda":
         variant = build.resolve_cuda_variant(variant)
-        check_cuda_sizes(u.shape[1])
+        build.check_cuda_head_size(u.shape[1])  # a WKVError before any build
         return wkv6_forward(r, k, v, w, u, variant)
     raise WKVError(f"run_native: no native kernel for backend {backend!r}; expected 'cpu' or "
                    "'cuda'")

@@ -1,11 +1,6 @@
-"""Training RWKV-CLIP: the pieces behind ``train.py``.
-
-* :mod:`.args`          command line (every original flag + new ones), config resolution
-* :mod:`.schedule`      ``lr_at(step)``: OneCycle "cosine" (as the original) and "linear"
-* :mod:`.accumulation`  the losses of K micro-batches of one step (exact or mean mode)
-* :mod:`.checkpoint`    atomic checkpoints, ``epoch_latest.pt``, resume
-* :mod:`.logger`        speed line, tqdm, TensorBoard
-* :mod:`.loop`          :func:`train`: the training loop, top to bottom
+"""Training RWKV-CLIP: the pieces behind ``train.py``: :mod:`.args` (the command line),
+:mod:`.schedule`, :mod:`.accumulation`, :mod:`.checkpoint` (atomic checkpoints, resume),
+:mod:`.logger`, and :mod:`.loop` (:func:`train`, the training loop, top to bottom).
 
 Importing this package starts nothing (no process group, no data, no kernels).
 """

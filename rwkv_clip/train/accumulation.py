@@ -1,9 +1,8 @@
 """One optimizer step over K micro-batches (``--gradient-acc K``), and caption choice.
 
 ``exact`` mode (open_clip's ``--accum-freq``) gives exactly the gradient of one batch of
-K x m with all its negatives; ``mean`` mode averages K independent micro-batch losses.
-:func:`train_step` is the one optimizer step the trainer, the memory planner and the
-benchmarks run.
+K x m with all its negatives; ``mean`` mode averages K micro-batch losses. :func:`train_step`
+is the one step the trainer, the memory planner and the benchmarks run.
 """
 from __future__ import annotations
 

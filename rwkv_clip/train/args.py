@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from ..config import (
     DEFAULT_CONFIG,
+    INPUT_SIZE_FLAGS,
     TOWER_KEYS,
     ModelArgs,
     apply_overrides,
@@ -128,7 +129,7 @@ def build_train_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_CONFIG}")
 
     g = p.add_argument_group("image tower (original flags; default: from the config)")
-    g.add_argument("--input-size", "--force-image-size", "--image-size", dest="input_size",
+    g.add_argument(*INPUT_SIZE_FLAGS, dest="input_size",
                    type=int, default=None, metavar="PIXELS",
                    help="image side in pixels (open_clip's --force-image-size): the model's "
                         "pos_embed is made for it, and --pretrained weights of another size "

@@ -1,9 +1,7 @@
 """Learning-rate schedules as pure functions of the optimizer step.
 
-``lr_at(step, ...)`` holds no state, so a resumed run needs only the step counter and a
-run whose length changed on resume continues the new schedule. ``cosine`` is the
-original's ``OneCycleLR(max_lr=lr, pct_start=0.1)`` with PyTorch's defaults, beta1
-cycled; ``linear`` is its ``LinearLR(1 -> 0)``.
+:func:`lr_at` holds no state, so a resumed run needs only the step counter and a run
+whose length changed on resume continues the new schedule.
 """
 from __future__ import annotations
 
@@ -38,7 +36,9 @@ def lr_at(step: int, *, kind: str, max_lr: float, total_steps: int,
     """(learning rate, beta1 or None) for the optimizer step after ``step`` done steps.
 
     ``beta1`` is None where the schedule leaves it alone (``linear``). Steps past the end
-    stay at the final value (OneCycleLR would raise).
+    stay at the final value (OneCycleLR would raise). ``cosine`` is the original's
+    ``OneCycleLR(max_lr=lr, pct_start=0.1)`` with PyTorch's defaults, beta1 cycled;
+    ``linear`` is its ``LinearLR(1 -> 0)``.
     """
     if total_steps < 1:
         raise ValueError(f"the schedule needs at least one optimizer step, got {total_steps}")

@@ -1,12 +1,7 @@
 """Experiment tracking: TensorBoard and Weights & Biases behind one ``scalars(step, **values)``.
 
-``--report-to tensorboard,wandb`` (open_clip's flag; default ``tensorboard``) picks the
-targets; rank 0 writes. wandb is imported only when asked for; it logs the same scalars
-as TensorBoard, with the run's flags as its config, under ``--wandb-project-name`` and the
-run's ``--name``, into ``OUTPUT/wandb/``. Without a configured API key or a reachable
-wandb server it runs offline (as with ``WANDB_MODE=offline``, which is honoured, as are
-the other ``WANDB_*`` variables): the run is written locally and ``wandb sync`` uploads it
-later. A resumed run continues the same wandb run (its id is kept in ``OUTPUT/wandb/``).
+``--report-to tensorboard,wandb`` picks the targets; rank 0 writes; wandb is imported only
+when asked for and runs offline without a key or server (docs/linear-probe-and-validation.md).
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """Validation during training: the contrastive loss and retrieval ranks on held-out pairs.
 
-Every ``--val-frequency`` epochs (and after the last) the model, in eval mode and without
-augmentation (resize + centre crop), encodes the ``--val-data`` pairs with their **raw**
-caption (variant 0 of raw / synthetic / generated: the one every format has). Each rank
-encodes its contiguous shard; the features are gathered on every rank in sample order,
-so the numbers equal a one-process run. Metrics, as open_clip's ``evaluate``:
-
-* ``clip_val_loss``: the symmetric contrastive loss over consecutive batches of
-  ``--batch-size`` pairs of the whole set in order, weighted by batch size;
-* :func:`clip_metrics` (open_clip's ``get_clip_metrics``): image->text and text->image
-  mean / median rank and R@1/5/10 against all pairs, pair i matching only caption i
-  (ties: the lower index ranks first).
+Every ``--val-frequency`` epochs the model, in eval mode and without augmentation, encodes
+the ``--val-data`` pairs with their raw caption; metrics are open_clip's ``evaluate``
+(``clip_val_loss``, :func:`clip_metrics`; docs/linear-probe-and-validation.md).
 """
 from __future__ import annotations
 
@@ -41,7 +33,8 @@ def ranks(logits: torch.Tensor) -> torch.Tensor:
 def clip_metrics(image_features: torch.Tensor, text_features: torch.Tensor,
                  logit_scale: float = 1.0) -> dict[str, float]:
     """open_clip's ``get_clip_metrics``: ``{image_to_text,text_to_image}_{mean_rank,
-    median_rank,R@1,R@5,R@10}`` (ranks 1-based, recalls fractions)."""
+    median_rank,R@1,R@5,R@10}`` (ranks 1-based, recalls fractions) against all pairs,
+    pair i matching only caption i (ties: the lower index ranks first)."""
     logits = logit_scale * image_features.float() @ text_features.float().t()
     out: dict[str, float] = {}
     for name, scores in (("image_to_text", logits), ("text_to_image", logits.t())):
