@@ -1,3 +1,4 @@
+import colorsys
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from rwkv_clip.data.builtin import (
     RADIUS,
     SHAPES,
     SHIFTED_BG_KINDS,
+    SHIFTED_RADIUS,
     class_names,
     render,
     render_shifted,
@@ -117,6 +119,16 @@ def test_zeroshot_splits(ds, split):
     assert total == ds.num_zeroshot == 60
 
 
+def _in_bands(rgb, colour: str) -> bool:
+    """Whether an 8-bit fill lies in the colour's training hue / saturation / value bands
+    (with the slack of rounding to 8 bits)."""
+    h, s, v = colorsys.rgb_to_hsv(*(c / 255 for c in rgb))
+    (h0, h1), (s0, s1), (v0, v1) = COLOR_BANDS[colour]
+    hue = (h * 360 - h0 + 180) % 360 - 180 + h0  # unwrapped next to the band (red: -8..8)
+    return h0 - 0.6 <= hue <= h1 + 0.6 and s0 - 0.006 <= s <= s1 + 0.006 and \
+        v0 - 0.004 <= v <= v1 + 0.004
+
+
 def test_shifted_renderer_draws_outside_the_training_ranges():
     rng = np.random.default_rng(0)
     for _ in range(60):
@@ -125,8 +137,9 @@ def test_shifted_renderer_draws_outside_the_training_ranges():
         assert IMAGE_SIDES[0] <= a["side"] <= IMAGE_SIDES[1] and a["bg"] in BG_KINDS
         assert RADIUS[0] <= a["radius"] <= RADIUS[1]
         assert not IMAGE_SIDES[0] <= b["side"] <= IMAGE_SIDES[1]
-        assert not RADIUS[0] <= b["radius"] <= RADIUS[1]
+        assert RADIUS[0] <= b["radius"] <= SHIFTED_RADIUS[1] and SHIFTED_RADIUS[1] > RADIUS[1]
         assert b["bg"] in SHIFTED_BG_KINDS and b["bg"] not in BG_KINDS
+        assert _in_bands(a["fill"], a["color"]) and not _in_bands(b["fill"], b["color"])
     # the same draw, another routine: the class is fixed, the pictures differ
     one, _ = render(np.random.default_rng(5), "red", "star")
     two, _ = render_shifted(np.random.default_rng(5), "red", "star")
@@ -146,14 +159,10 @@ def test_builtin_train_prefix_through_loader_factory(ds):
 
 @pytest.mark.slow
 def test_default_size_generation_and_builtin_format(tmp_path):
-    import time
-    t = time.time()
     L = build_train_loader(NS(train_data=str(tmp_path), data_format="builtin", batch_size=64,
                               workers=1, input_size=32, seed=0, device="cpu", loader="auto"),
                            log=None)
-    took = time.time() - t
     ds = ensure_builtin_dataset(root=str(tmp_path))
-    assert ds.num_train == 5000 and len(L) == 79  # ceil(5000 / 64)
-    assert took < 120, took
+    assert ds.num_train == 25000 and len(L) == 391  # ceil(25000 / 64)
     images, tokens = next(iter(L))
     assert images.shape == (64, 3, 32, 32) and tokens.dtype.is_floating_point is False

@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw
 from .recordio import RecordIOWriter
 from .tokens import encode_captions_batch, labels_for_rec
 
-BUILTIN_VERSION = "shapes-v5"
+BUILTIN_VERSION = "shapes-v6"
 _SS = 2  # supersampling factor of the training renderer's anti-aliased edges
 
 SHAPES = ["circle", "square", "triangle", "cross", "star"]
@@ -51,10 +51,11 @@ IMAGE_SIDES = (40, 96)
 BG_KINDS = {"plain": 0.45, "gradient": 0.30, "noisy": 0.25}
 BG_MAX_SATURATION = 0.15
 OUTLINE_P = 0.25  # a darker outline of the fill's own hue
-# the shifted split: outside those ranges
-SHIFTED_RADIUS = ((0.18, 0.22), (0.41, 0.43))
+# the shifted split: image sides and background kinds outside those ranges, shapes from the
+# training range up to 10% larger (smaller ones cover under 3x3 patches of the 32 px input)
+SHIFTED_RADIUS = (RADIUS[0], 0.44)
 SHIFTED_SIDES = ((28, 36), (104, 128))
-SHIFTED_BG_KINDS = ["checker", "stripes", "radial", "blobs", "pastel"]
+SHIFTED_BG_KINDS = ["checker", "stripes", "radial", "blobs"]
 
 SHAPE_SYNONYMS = {
     "circle": ["round disc", "circular shape", "dot", "circle"],
@@ -98,34 +99,28 @@ def class_names() -> list[str]:
 
 # ----------------------------------------------------------------------------- geometry
 
-def _outline(kind: str, rng: np.random.Generator, shifted: bool) -> np.ndarray:
-    """(N, 2) vertices of a shape of size 1 centred at 0, unrotated (y down). The shifted
-    split draws its variants outside the training ranges; its rounded squares are a box
-    here, rounded by the SDF renderer."""
-    def pick(train, *outside):
-        return rng.uniform(*(outside[rng.integers(len(outside))] if shifted else train))
-
+def _outline(kind: str, rng: np.random.Generator) -> np.ndarray:
+    """(N, 2) vertices of a shape of size 1 centred at 0, unrotated (y down), with its
+    proportions (aspect, arm width, inner radius) drawn from the training ranges."""
     if kind == "circle":
-        a = pick((0.85, 1.0), (0.70, 0.80))
+        a = rng.uniform(0.85, 1.0)
         t = np.linspace(0.0, 2 * math.pi, 48, endpoint=False)
         return np.stack([np.cos(t), a * np.sin(t)], 1)
     if kind == "square":
-        a = pick((0.88, 1.0), (0.75, 0.84))
-        h = 0.85
+        a, h = rng.uniform(0.88, 1.0), 0.85
         return np.array([(-h, -h * a), (h, -h * a), (h, h * a), (-h, h * a)])
     if kind == "triangle":
-        k = pick((0.9, 1.1), (0.70, 0.80), (1.2, 1.35))
+        k = rng.uniform(0.9, 1.1)
         t = -math.pi / 2 + np.arange(3) * 2 * math.pi / 3
         pts = np.stack([np.cos(t), np.sin(t)], 1) * 1.2
         pts[:, 1] = (pts[:, 1] - pts[:, 1].mean()) * k
         return pts
     if kind == "cross":
-        w = pick((0.28, 0.40), (0.20, 0.25), (0.43, 0.48))
-        L = 1.05
+        w, L = rng.uniform(0.28, 0.40), 1.05
         return np.array([(-w, -L), (w, -L), (w, -w), (L, -w), (L, w), (w, w), (w, L),
                          (-w, L), (-w, w), (-L, w), (-L, -w), (-w, -w)])
     if kind == "star":
-        inner = pick((0.38, 0.50), (0.28, 0.34), (0.54, 0.58))
+        inner = rng.uniform(0.38, 0.50)
         t = -math.pi / 2 + np.arange(10) * math.pi / 5
         rr = np.where(np.arange(10) % 2 == 0, 1.2, 1.2 * inner)
         return np.stack([np.cos(t) * rr, np.sin(t) * rr], 1)
@@ -211,14 +206,10 @@ def _shifted_background(rng: np.random.Generator, side: int) -> tuple[np.ndarray
     elif kind == "radial":
         cx, cy = rng.uniform(0, side, 2)
         t = np.hypot(x - cx, y - cy) / (side * 1.2)
-    elif kind == "blobs":
+    else:  # blobs
         low = rng.uniform(0, 1, (4, 4)).astype(np.float32)
         t = np.asarray(Image.fromarray(low, mode="F").resize(
             (side, side), Image.Resampling.BICUBIC), np.float32)
-    else:  # pastel: more tint than any training background
-        a = np.array(_hsv(rng.uniform(0, 360), rng.uniform(0.2, 0.3), rng.uniform(0.75, 1.0)),
-                     np.float32)
-        t = np.zeros((side, side), np.float32)
     img = a + (b - a) * np.clip(t, 0, 1)[..., None]
     return img.astype(np.float32), kind
 
@@ -240,7 +231,7 @@ def render(rng: np.random.Generator, color: str | None = None, shape: str | None
     fill = _colour(rng, color, shifted=False)
     bg, kind = _background(rng, side)
     S = side * _SS
-    pts = _place(_outline(shape, rng, shifted=False), rng, radius, S)
+    pts = _place(_outline(shape, rng), rng, radius, S)
     canvas = Image.fromarray(np.clip(bg, 0, 255).astype(np.uint8)).resize(
         (S, S), Image.Resampling.NEAREST)
     draw = ImageDraw.Draw(canvas)
@@ -253,7 +244,7 @@ def render(rng: np.random.Generator, color: str | None = None, shape: str | None
         draw.polygon(xy, fill=fill)
     img = canvas.resize((side, side), Image.Resampling.BOX)
     return img, {"shape": shape, "color": color, "side": side, "radius": float(radius),
-                 "bg": kind}
+                 "bg": kind, "fill": fill}
 
 
 def _polygon_sdf(x: np.ndarray, y: np.ndarray, pts: np.ndarray) -> np.ndarray:
@@ -276,15 +267,16 @@ def _polygon_sdf(x: np.ndarray, y: np.ndarray, pts: np.ndarray) -> np.ndarray:
 def render_shifted(rng: np.random.Generator, color: str | None = None,
                    shape: str | None = None):
     """Draw one sample of the shifted split: a numpy signed-distance rasteriser (analytic
-    anti-aliasing, no supersampling), geometry variants, shades, sizes, image sides and
-    background kinds outside the training ranges, sometimes a black or white outline."""
+    anti-aliasing, no supersampling), shades, image sides and background kinds outside the
+    training ranges, sizes up to 10% past the largest, squares often with rounded corners,
+    sometimes a black or white outline (training outlines are a darker shade of the fill)."""
     color, shape = _pick_class(rng, color, shape)
     lo, hi = SHIFTED_SIDES[rng.integers(len(SHIFTED_SIDES))]
     side = int(rng.integers(lo, hi + 1))
-    radius = rng.uniform(*SHIFTED_RADIUS[rng.integers(len(SHIFTED_RADIUS))])
+    radius = rng.uniform(*SHIFTED_RADIUS)
     fill = np.array(_colour(rng, color, shifted=True), np.float32)
     img, kind = _shifted_background(rng, side)
-    pts = _outline(shape, rng, shifted=True)
+    pts = _outline(shape, rng)
     round_by = 0.0
     if shape == "square" and rng.random() < 0.6:  # rounded corners
         round_by = rng.uniform(0.25, 0.45) * 0.85
@@ -302,7 +294,7 @@ def render_shifted(rng: np.random.Generator, color: str | None = None,
         img = img * (1 - band) + ink * band
     out = Image.fromarray(np.clip(np.round(img), 0, 255).astype(np.uint8))
     return out, {"shape": shape, "color": color, "side": side, "radius": float(radius),
-                 "bg": kind}
+                 "bg": kind, "fill": tuple(int(v) for v in fill)}
 
 
 def _a(word: str) -> str:
@@ -397,7 +389,7 @@ def default_cache_root() -> str:
         os.path.expanduser("~"), ".cache", "rwkv_clip")
 
 
-def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 5000,
+def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 25000,
                            num_val: int = 500, zeroshot_per_class: int = 10
                            ) -> BuiltinDataset:
     """Generate (once) and return the built-in dataset: ``train`` and ``val`` .rec files
