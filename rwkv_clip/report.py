@@ -27,6 +27,7 @@ GRID_IMAGES = 16
 _PLAIN_STEP = re.compile(r"step (\d+)/(\d+) loss (\S+) lr (\S+)")
 _ORIGINAL_STEP = re.compile(r"lr:\[(\S+)\] step:(\d+) .*\[(\S+)\]\s*$")
 _ZERO_SHOT = re.compile(r"zero-shot \((.+?)\) on (.+): top-1 ([\d.]+)%(?:, top-5 ([\d.]+)%)?")
+SHIFTED_SUFFIX = ", shifted"  # the label of an evaluation on the shifted split
 _STEPS = re.compile(r"(\d+) optimizer steps/epoch, (\d+) steps in all")
 _RUN_START = re.compile(r"rank \d+/\d+ on ")
 _RESUMED = re.compile(r"resumed from .*: step (\d+)")
@@ -41,6 +42,7 @@ class TrainingCurves:
     lr: list[float] = field(default_factory=list)
     # (step, label, top-1 %, top-5 % or None)
     zero_shot: list[tuple[int, str, float, float | None]] = field(default_factory=list)
+    zero_shot_shifted: list[tuple[int, str, float, float | None]] = field(default_factory=list)
     zero_shot_dir: str | None = None
     steps_per_epoch: int | None = None
     total_steps: int | None = None
@@ -88,9 +90,15 @@ def parse_training_log(path: str | os.PathLike) -> TrainingCurves:
             elif m := _ZERO_SHOT.search(line):
                 label = m.group(1)
                 top5 = float(m.group(4)) if m.group(4) else None
-                curves.zero_shot.append((_eval_step(label, last_step, curves), label,
-                                         float(m.group(3)), top5))
-                curves.zero_shot_dir = m.group(2)
+                shifted = label.endswith(SHIFTED_SUFFIX)
+                if shifted:
+                    label = label[:-len(SHIFTED_SUFFIX)]
+                point = (_eval_step(label, last_step, curves), label, float(m.group(3)), top5)
+                if shifted:
+                    curves.zero_shot_shifted.append(point)
+                else:
+                    curves.zero_shot.append(point)
+                    curves.zero_shot_dir = m.group(2)
                 continue
             else:
                 continue
@@ -124,6 +132,7 @@ def _drop_after(curves: TrainingCurves, step: int) -> None:
     curves.loss = [curves.loss[i] for i in keep]
     curves.lr = [curves.lr[i] for i in keep]
     curves.zero_shot = [z for z in curves.zero_shot if z[0] <= step]
+    curves.zero_shot_shifted = [z for z in curves.zero_shot_shifted if z[0] <= step]
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -302,8 +311,10 @@ def draw_report(curves: TrainingCurves, predictions: dict[str, Any] | None,
 
 
 def _accuracy_panel(ax, curves: TrainingCurves) -> None:
-    ax.set(title="zero-shot accuracy on the held-out split", xlabel="optimizer step",
-           ylabel="accuracy (%)", ylim=(0, 100))
+    """Top-1 / top-5 per evaluation; the built-in set's shifted split beside them."""
+    shifted = curves.zero_shot_shifted
+    ax.set(title="zero-shot accuracy on the held-out split" + ("s" if shifted else ""),
+           xlabel="optimizer step", ylabel="accuracy (%)", ylim=(0, 100))
     ax.grid(alpha=0.3)
     if not curves.zero_shot:
         ax.text(0.5, 0.5, "no zero-shot evaluation logged", ha="center", va="center",
@@ -311,13 +322,19 @@ def _accuracy_panel(ax, curves: TrainingCurves) -> None:
         return
     xs = [z[0] for z in curves.zero_shot]
     ax.set_xlim(0, max([curves.total_steps or 0, *xs, *curves.steps]) * 1.03 + 1)
-    ax.plot(xs, [z[2] for z in curves.zero_shot], "o-", label="top-1")
-    if all(z[3] is not None for z in curves.zero_shot):
-        ax.plot(xs, [z[3] for z in curves.zero_shot], "s--", alpha=0.6, label="top-5")
-    last = curves.zero_shot[-1]
-    ax.annotate(f"{last[2]:.1f}%", (last[0], last[2]), textcoords="offset points",
-                xytext=(-10, -16), ha="right")
-    ax.legend(loc="upper left")
+    for points, name, colour, offset in ((curves.zero_shot, "", "tab:blue", -16),
+                                         (shifted, "shifted ", "tab:red", 8)):
+        if not points:
+            continue
+        px = [z[0] for z in points]
+        ax.plot(px, [z[2] for z in points], "o-", color=colour, label=f"{name}top-1")
+        if all(z[3] is not None for z in points):
+            ax.plot(px, [z[3] for z in points], "s--", color=colour, alpha=0.45,
+                    label=f"{name}top-5")
+        last = points[-1]
+        ax.annotate(f"{name}{last[2]:.1f}%", (last[0], last[2]), textcoords="offset points",
+                    xytext=(-10, offset), ha="right", color=colour)
+    ax.legend(loc="lower right" if shifted else "upper left", fontsize=8)
 
 
 def _confusion_panel(ax, predictions: dict[str, Any]) -> None:
@@ -384,6 +401,8 @@ def write_report(run_dir: str | os.PathLike, model=None, zero_shot_dir: str | No
     title = f"{run_dir.name}: {curves.steps[-1] if curves.steps else 0} steps"
     if curves.zero_shot:
         title += f", zero-shot top-1 {curves.zero_shot[-1][2]:.1f}%"
+    if curves.zero_shot_shifted:
+        title += f" (shifted split {curves.zero_shot_shifted[-1][2]:.1f}%)"
     if validation:
         title += f", validation loss {validation[-1]['clip_val_loss']:.3f}"
     return draw_report(curves, predictions, out_path or run_dir / REPORT_NAME, title,

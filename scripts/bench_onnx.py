@@ -7,7 +7,7 @@ the JSON gives the medians (ms) and the ratio, and the max difference of the fea
 relative to their largest magnitude.
 
     python scripts/bench_onnx.py --config RWKV_CLIP_B32                   # random weights
-    python scripts/bench_onnx.py runs/default/checkpoints/epoch_6.pt --onnx-dir exported/
+    python scripts/bench_onnx.py runs/default/checkpoints/epoch_latest.pt --onnx-dir exported/
 """
 from __future__ import annotations
 

@@ -126,12 +126,12 @@ COMMANDS: dict[str, str] = {
     "--merge-lora": "help",
     "python -m rwkv_clip.memory --config RWKV_CLIP_B32 --precision bf16 --lora-rank 16": "help",
     # docs/export.md: tests/test_onnx_export.py runs this page's commands as written (slow)
-    "python -m rwkv_clip.export runs/default/checkpoints/epoch_6.pt --format hub --output "
+    "python -m rwkv_clip.export runs/default/checkpoints/epoch_latest.pt --format hub --output "
     "exported/hub --repo-id ORG/NAME": "help",
-    "python -m rwkv_clip.export runs/default/checkpoints/epoch_6.pt --format onnx --output "
+    "python -m rwkv_clip.export runs/default/checkpoints/epoch_latest.pt --format onnx --output "
     "exported/onnx": "help",
     "python scripts/bench_onnx.py --config RWKV_CLIP_tiny --repeats 3": "help",
-    "python zero_shot.py --model-weight runs/default/checkpoints/epoch_6.pt --output-dir "
+    "python zero_shot.py --model-weight runs/default/checkpoints/epoch_latest.pt --output-dir "
     "runs/default": "help",
     # docs/losses.md: tests/test_train_siglip.py and test_train_captions.py train with these
     "python train.py --siglip": "help",

@@ -275,6 +275,12 @@ def test_cli_default_builtin_split(tmp_path):
     record = json.loads((tmp_path / "builtin_zeroshot_classification.json").read_text())
     check_schema(record, "zeroshot_classification")
     assert record["num_samples"] > 0
+    r = cli("--config", TINY, "--workers", "0", "--device", "cpu", "--output-dir", tmp_path,
+            "--dataset", "builtin_shifted", timeout=600)
+    assert r.returncode == 0, r.stderr
+    shifted = json.loads((tmp_path / "builtin_shifted_zeroshot_classification.json").read_text())
+    check_schema(shifted, "zeroshot_classification")
+    assert shifted["num_samples"] == record["num_samples"]
 
 
 def test_original_script_flags(data, tiny_weights, tmp_path, capsys):
@@ -308,7 +314,7 @@ def test_torchcompile_gives_the_eager_features(tmp_path):
     from rwkv_clip.eval.cli import parse_options
     from rwkv_clip.eval.runner import build_eval_model
 
-    images = torch.randn(2, 3, 24, 24)
+    images = torch.randn(2, 3, 32, 32)
     feats = []
     for flags in ([], ["--torchcompile"]):
         opts = parse_options(["--device", "cpu", *flags])

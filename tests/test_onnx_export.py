@@ -286,7 +286,7 @@ def test_docs_commands_run(trained_checkpoint, tmp_path):
     commands = [line for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
                 for line in block.splitlines() if line.strip() and not line.startswith("#")]
     assert len(commands) == 4
-    checkpoint = tmp_path / "runs" / "default" / "checkpoints" / "epoch_6.pt"
+    checkpoint = tmp_path / "runs" / "default" / "checkpoints" / "epoch_latest.pt"
     checkpoint.parent.mkdir(parents=True)
     checkpoint.write_bytes(trained_checkpoint.read_bytes())
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")

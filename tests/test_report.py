@@ -39,6 +39,9 @@ def _write_log(run_dir, fmt, steps, total=12, per_epoch=4, losses=None, resumed_
             if label == f"epoch {step // per_epoch}" and step % per_epoch == 0:
                 log.info(f"zero-shot ({label}) on /z: top-1 {top1:.1f}%, top-5 99.0% "
                          "(chance 3.3%: 30 classes)")
+                # the built-in set's shifted split, as the training loop words it
+                log.info(f"zero-shot ({label}, shifted) on /s: top-1 {top1 - 10:.1f}%, top-5 "
+                         "80.0% (chance 3.3%: 30 classes)")
     close_logging()
 
 
@@ -53,7 +56,9 @@ def test_log_round_trip(tmp_path, fmt):
     assert c.steps_per_epoch == 4 and c.total_steps == 12
     assert [(z[0], z[1], z[2]) for z in c.zero_shot] == [(4, "epoch 1", 20.0),
                                                          (12, "epoch 3", 91.3)]
-    assert c.zero_shot_dir == "/z"
+    assert [(z[0], z[1], z[2], z[3]) for z in c.zero_shot_shifted] == [
+        (4, "epoch 1", 10.0, 80.0), (12, "epoch 3", 81.3, 80.0)]  # their own curve
+    assert c.zero_shot_dir == "/z"  # the in-distribution folder, not the shifted one
 
 
 def test_fresh_rerun_replaces_and_resume_continues(tmp_path):

@@ -45,8 +45,8 @@ def test_no_arguments_means_small_config_on_builtin_data():
     args = parse_args([])
     assert args.data_format == "builtin" and args.train_data is None
     assert args.config_source.endswith("RWKV_CLIP_small.json")
-    assert (args.n_embd, args.input_size, args.precision) == (128, 24, "fp32")
-    assert (args.epochs, args.lr, args.batch_size, args.log_format) == (6, 2e-3, 32, "plain")
+    assert (args.n_embd, args.input_size, args.precision) == (128, 32, "fp32")
+    assert (args.epochs, args.lr, args.batch_size, args.log_format) == (2, 3e-3, 64, "plain")
 
 
 def test_config_then_flags_override():

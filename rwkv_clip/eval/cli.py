@@ -93,7 +93,8 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
                        help="comma list of sets. Classification: " + CLASSIFICATION_SETS +
                             ", imagefolder (any folder of class sub-folders, given by "
                             "--data-root), builtin (the built-in held-out split; the "
-                            "default). Retrieval: mscoco (coco), flickr30k (flickr), jsonl "
+                            "default), builtin_shifted (its distribution-shifted split). "
+                            "Retrieval: mscoco (coco), flickr30k (flickr), jsonl "
                             "(--retrieval-file).")
     g.add_argument("--data-root", default=os.environ.get(DATA_ROOT_ENV), metavar="DIR",
                    help="folder holding the sets in torchvision's layouts (e.g. "

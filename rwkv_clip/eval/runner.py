@@ -105,7 +105,8 @@ def dataset_plan(opts) -> list[tuple[str, str]]:
     return plan
 
 
-def builtin_folder() -> str:
+def builtin_folder(shifted: bool = False) -> str:
+    """The built-in set's held-out zero-shot folder, or its distribution-shifted one."""
     try:
         from ..data import ensure_builtin_dataset
     except ImportError:
@@ -114,7 +115,8 @@ def builtin_folder() -> str:
         except ImportError as exc:
             raise EvalError(f"the built-in held-out split is not available ({exc}); pass "
                             "--dataset and --data-root") from None
-    return str(ensure_builtin_dataset().zeroshot_dir)
+    ds = ensure_builtin_dataset()
+    return str(ds.shifted_dir if shifted else ds.zeroshot_dir)
 
 
 def default_output_dir(opts) -> Path:
@@ -208,10 +210,11 @@ def _run(opts, info: DistInfo, watch: faults.PeerWatch | None = None) -> list[di
         current["set"] = name
         if task == "zeroshot_classification":
             transform = eval_transform(name, size)
-            if name == "builtin":
-                eval_set = build_classification_set("imagefolder", builtin_folder(), transform,
-                                                    templates_file=opts.templates)
-                eval_set.name = "builtin"
+            if name in ("builtin", "builtin_shifted"):
+                eval_set = build_classification_set("imagefolder",
+                                                    builtin_folder(name == "builtin_shifted"),
+                                                    transform, templates_file=opts.templates)
+                eval_set.name = name
             else:
                 eval_set = build_classification_set(name, opts.data_root, transform,
                                                     templates_file=opts.templates,

@@ -61,17 +61,17 @@ def build_train_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter)
 
     g = p.add_argument_group("optimisation (original flags)")
-    g.add_argument("--batch-size", type=int, default=32,
+    g.add_argument("--batch-size", type=int, default=64,
                    help="micro-batch size per process (one forward/backward)")
     g.add_argument("--beta1", type=float, default=0.9,
                    help="AdamW beta1 (SGD momentum); the cosine schedule cycles it "
                         "0.95 -> 0.85 -> 0.95 as the original's OneCycleLR does")
     g.add_argument("--beta2", type=float, default=0.98, help="AdamW beta2")
-    g.add_argument("--epochs", type=int, default=6, help="passes over the training data")
+    g.add_argument("--epochs", type=int, default=2, help="passes over the training data")
     g.add_argument("--gradient-acc", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step (global batch = batch-size x K x "
                         "world size); see --accum-mode")
-    g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--lr-scheduler", choices=("cosine", "linear"), default="cosine",
                    help="cosine: OneCycleLR (warmup fraction --warmup, cycles beta1), as the "
                         "original; linear: LinearLR from lr to 0, no warmup (as the original)")

@@ -404,6 +404,7 @@ class TrainData:
     micro_per_epoch: int  # loader batches per epoch and rank
     steps_per_epoch: int
     total_steps: int
+    shifted_dir: str | None = None  # the built-in set's distribution-shifted folder
 
 
 def prepare_data(args, info: DistInfo, log) -> TrainData:
@@ -413,7 +414,7 @@ def prepare_data(args, info: DistInfo, log) -> TrainData:
     if args.workers and cpus and args.workers > cpus:  # more workers than cores only thrash
         log.info(f"--workers {args.workers} > the {cpus} CPU cores available: using {cpus}")
         args.workers = cpus
-    train_data, data_format, zero_shot_dir = locate_train_data(args, info, log)
+    train_data, data_format, zero_shot_dir, shifted_dir = locate_train_data(args, info, log)
     loader = build_train_loader(loader_args(args, info, train_data, data_format),
                                 log=log.info if info.is_master else None)
     check_batch_fits(loader, args, info, data_name(args, train_data, data_format))
@@ -434,7 +435,8 @@ def prepare_data(args, info: DistInfo, log) -> TrainData:
         log.info("zero-shot evaluation: skipped, no image folder for this data; pass "
                  "--zero-shot-data DIR (one sub-folder of images per class) to evaluate after "
                  "every --zero-shot-every epoch(s) and at the end")
-    return TrainData(loader, zero_shot_dir, micro_per_epoch, steps_per_epoch, total_steps)
+    return TrainData(loader, zero_shot_dir, micro_per_epoch, steps_per_epoch, total_steps,
+                     shifted_dir)
 
 
 def loader_name(loader) -> str:
@@ -447,10 +449,11 @@ def loader_name(loader) -> str:
     return "PyTorch DataLoader"
 
 
-def locate_train_data(args, info: DistInfo, log) -> tuple[str, str, str | None]:
-    """(train data, its format, zero-shot folder or None)."""
+def locate_train_data(args, info: DistInfo, log) -> tuple[str, str, str | None, str | None]:
+    """(train data, its format, zero-shot folder or None, the built-in set's shifted
+    zero-shot folder or None)."""
     if args.data_format != "builtin":
-        return args.train_data, args.data_format, args.zero_shot_data
+        return args.train_data, args.data_format, args.zero_shot_data, None
     from ..data import ensure_builtin_dataset
 
     if info.is_master:  # rank 0 generates the set; the others wait, then find it ready
@@ -458,7 +461,8 @@ def locate_train_data(args, info: DistInfo, log) -> tuple[str, str, str | None]:
     barrier(info)
     builtin = ensure_builtin_dataset(root=args.builtin_root)
     log.info(f"built-in dataset: {builtin.num_train} training pairs at {builtin.root}")
-    return builtin.train_prefix, "rec", args.zero_shot_data or builtin.zeroshot_dir
+    return (builtin.train_prefix, "rec", args.zero_shot_data or builtin.zeroshot_dir,
+            builtin.shifted_dir)
 
 
 def data_name(args, train_data: str, data_format: str) -> str:
@@ -635,19 +639,29 @@ class Logs:
 def zero_shot(model: torch.nn.Module, data: TrainData, args, info: DistInfo, log, logs: Logs,
               step: int, tag: str) -> dict | None:
     """Zero-shot classification on the run's image folder (``rwkv_clip.eval``; sharded over
-    the ranks when a process group is up, so every rank must call it); None without one."""
+    the ranks when a process group is up, so every rank must call it); None without one.
+    With the built-in set also on its shifted folder, logged with the tag ``TAG, shifted``
+    and returned under ``"shifted"``."""
     folder = data.zero_shot_dir
     if not folder:
         return None
     from ..eval.zeroshot import evaluate_imagefolder
-    metrics = dict(evaluate_imagefolder(model, folder, device=info.device,
-                                        batch_size=min(args.batch_size, 256),
-                                        input_size=args.input_size,
-                                        precision=args.precision, workers=0))
-    metrics["num_classes"] = sum(1 for entry in os.scandir(folder) if entry.is_dir())
-    if info.is_master:
-        log.info(f"zero-shot ({tag}) on {folder}: {describe_zero_shot(metrics)}")
-        logs.board.scalars(step, **{"zeroshot/top1": metrics["acc1"]})
+
+    def evaluate(where: str, label: str, scalar: str) -> dict:
+        metrics = dict(evaluate_imagefolder(model, where, device=info.device,
+                                            batch_size=min(args.batch_size, 256),
+                                            input_size=args.input_size,
+                                            precision=args.precision, workers=0))
+        metrics["num_classes"] = sum(1 for entry in os.scandir(where) if entry.is_dir())
+        if info.is_master:
+            log.info(f"zero-shot ({label}) on {where}: {describe_zero_shot(metrics)}")
+            logs.board.scalars(step, **{scalar: metrics["acc1"]})
+        return metrics
+
+    metrics = evaluate(folder, tag, "zeroshot/top1")
+    if data.shifted_dir and os.path.isdir(data.shifted_dir):
+        metrics["shifted"] = evaluate(data.shifted_dir, f"{tag}, shifted",
+                                      "zeroshot/shifted_top1")
     return metrics
 
 
@@ -671,6 +685,9 @@ def summarise(state: RunState, model: torch.nn.Module, final: dict | None, elaps
                  f"{loss if loss is None else round(loss, 4)}, checkpoint {state.last_saved}")
         if final is not None:
             log.info(f"final zero-shot accuracy: {describe_zero_shot(final)}")
+            if final.get("shifted"):
+                log.info("final zero-shot accuracy on the shifted split: "
+                         f"{describe_zero_shot(final['shifted'])}")
         from ..report import write_report
         try:
             log.info(f"report: {write_report(args.output, model=model, zero_shot_dir=zero_shot_dir)}")
