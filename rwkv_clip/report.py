@@ -322,10 +322,14 @@ def _accuracy_panel(ax, curves: TrainingCurves) -> None:
         return
     xs = [z[0] for z in curves.zero_shot]
     ax.set_xlim(0, max([curves.total_steps or 0, *xs, *curves.steps]) * 1.03 + 1)
-    for points, name, colour, offset in ((curves.zero_shot, "", "tab:blue", -16),
-                                         (shifted, "shifted ", "tab:red", 8)):
+    # the higher final value is labelled above its point, the lower one below, so that
+    # close finals do not overlap
+    upper = shifted if shifted and shifted[-1][2] > curves.zero_shot[-1][2] else curves.zero_shot
+    for points, name, colour in ((curves.zero_shot, "", "tab:blue"),
+                                 (shifted, "shifted ", "tab:red")):
         if not points:
             continue
+        offset = 8 if shifted and points is upper else -16
         px = [z[0] for z in points]
         ax.plot(px, [z[2] for z in points], "o-", color=colour, label=f"{name}top-1")
         if all(z[3] is not None for z in points):
