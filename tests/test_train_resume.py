@@ -200,7 +200,7 @@ def test_resume_takes_data_config_and_schedule_from_the_checkpoint(tmp_path, tin
     """``--resume latest --output DIR`` alone continues the same run (not the
     built-in data set, not the default config, not the default schedule)."""
     out = tmp_path / "run"
-    main(parse_args(tiny_argv(out, tiny_rec, "--epochs", "2", "--max-steps", "2",
+    main(parse_args(tiny_argv(out, tiny_rec, "--epochs", "3", "--max-steps", "2",
                               "--lr", "5e-4")))
     again = main(parse_args(["--resume", "latest", "--output", str(out), "--device", "cpu",
                              "--workers", "0", "--progress", "False", "--tensorboard",
@@ -209,7 +209,7 @@ def test_resume_takes_data_config_and_schedule_from_the_checkpoint(tmp_path, tin
     log = (out / "training.log").read_text()
     taken = next(line for line in log.splitlines() if "settings from the checkpoint:" in line)
     for setting in (f"train_data={tiny_rec!r}", "data_format='rec'", "n_embd=64", "lr=0.0005",
-                    "max_steps=2", "epochs=2", "batch_size=8"):
+                    "max_steps=2", "epochs=3", "batch_size=8"):
         assert setting in taken, (setting, taken)
     assert "built-in dataset" not in log
 

@@ -63,7 +63,7 @@ def test_classifier_agrees_with_zero_shot_py_on_the_heldout_split(heldout, tiny,
     assert probs.shape == (60, 30)
     assert torch.allclose(probs.sum(dim=1), torch.ones(60), atol=1e-5)
     predictions = probs.argmax(dim=1)
-    acc1 = (predictions == targets).float().mean().item()
+    acc1 = (predictions == targets).double().mean().item()
     assert acc1 == pytest.approx(record["metrics"]["acc1"], abs=1e-9)
     classifier = build_classifier(model, eval_set.classnames, eval_set.templates, "cpu")
     logits, eval_targets = classification_logits(model, eval_set, classifier, "cpu", 16)
