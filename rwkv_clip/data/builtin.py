@@ -274,7 +274,8 @@ def render_shifted(rng: np.random.Generator, color: str | None = None,
     lo, hi = SHIFTED_SIDES[rng.integers(len(SHIFTED_SIDES))]
     side = int(rng.integers(lo, hi + 1))
     radius = rng.uniform(*SHIFTED_RADIUS)
-    fill = np.array(_colour(rng, color, shifted=True), np.float32)
+    fill_rgb = _colour(rng, color, shifted=True)
+    fill = np.array(fill_rgb, np.float32)
     img, kind = _shifted_background(rng, side)
     pts = _outline(shape, rng)
     round_by = 0.0
@@ -294,7 +295,7 @@ def render_shifted(rng: np.random.Generator, color: str | None = None,
         img = img * (1 - band) + ink * band
     out = Image.fromarray(np.clip(np.round(img), 0, 255).astype(np.uint8))
     return out, {"shape": shape, "color": color, "side": side, "radius": float(radius),
-                 "bg": kind, "fill": tuple(int(v) for v in fill)}
+                 "bg": kind, "fill": fill_rgb}
 
 
 def _a(word: str) -> str:
