@@ -2,8 +2,8 @@
 
 One shape (circle, square, triangle, cross, star) in one of six colours per image, drawn
 from broad ranges (module constants); captions name only colour and shape; 30 zero-shot
-classes. A second held-out folder is drawn by another renderer with settings outside the
-training ranges (:func:`render_shifted`). See :func:`ensure_builtin_dataset`."""
+classes. A second held-out folder is drawn by another renderer with shades, image sides,
+backgrounds and outlines outside the training ranges (:func:`render_shifted`)."""
 
 from __future__ import annotations
 
