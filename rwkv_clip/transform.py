@@ -1,14 +1,64 @@
-"""Image transforms: open_clip's ``image_transform`` with the CLIP mean/std defaults."""
+"""Image transforms: open_clip's ``image_transform`` with the CLIP mean/std defaults; its
+evaluation variant computed here on PIL alone (importing open_clip or torchvision costs
+seconds, which every zero-shot run would pay before its first image)."""
 from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
 
 OPENAI_DATASET_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_DATASET_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+class EvalTransform:
+    """PIL image -> (3, S, S) float32: open_clip's ``image_transform(S, is_train=False)``
+    step by step (shorter side to S with PIL's bicubic, centre crop S, RGB, /255, mean/std),
+    equal to it in every value. Other inputs (tensors) go through open_clip's own."""
+
+    def __init__(self, size: int, mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD):
+        self.size = int(size)
+        self.mean_std = (tuple(mean), tuple(std))
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        self._open_clip = None
+
+    def __call__(self, image) -> torch.Tensor:
+        if not isinstance(image, Image.Image):
+            if self._open_clip is None:
+                self._open_clip = _open_clip_transform(self.size, False, *self.mean_std)
+            return self._open_clip(image)
+        s, (w, h) = self.size, image.size
+        # torchvision's shorter-side size: the longer side scaled and truncated
+        short, long = (w, h) if w <= h else (h, w)
+        new_long = int(s * long / short)
+        new_w, new_h = (s, new_long) if w <= h else (new_long, s)
+        if (new_w, new_h) != (w, h):
+            image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)
+        top, left = int(round((new_h - s) / 2.0)), int(round((new_w - s) / 2.0))
+        image = image.crop((left, top, left + s, top + s)).convert("RGB")
+        x = torch.from_numpy(np.array(image, np.uint8, copy=True)).permute(2, 0, 1)
+        return x.contiguous().to(torch.float32).div(255).sub_(self.mean).div_(self.std)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, mean={self.mean_std[0]}, std={self.mean_std[1]})"
+
+
+def _open_clip_transform(image_size, is_train: bool, mean, std, **kwargs):
+    from open_clip.transform import image_transform as open_clip_image_transform
+    return open_clip_image_transform(image_size, is_train=is_train, mean=mean, std=std,
+                                     **kwargs)
+
+
 def image_transform(image_size, is_train: bool, mean=None, std=None, **kwargs):
     """PIL image -> normalised tensor: resize + center crop (eval) or random resized crop
-    (train), as open_clip; mean/std default to CLIP's."""
-    from open_clip.transform import image_transform as open_clip_image_transform
-    return open_clip_image_transform(image_size, is_train=is_train,
-                                     mean=mean or OPENAI_DATASET_MEAN,
-                                     std=std or OPENAI_DATASET_STD, **kwargs)
+    (train), as open_clip; mean/std default to CLIP's. The plain evaluation transform (a
+    square size, open_clip's default resize and interpolation) is :class:`EvalTransform`."""
+    mean, std = mean or OPENAI_DATASET_MEAN, std or OPENAI_DATASET_STD
+    plain = (kwargs.get("resize_mode") in (None, "shortest")
+             and kwargs.get("interpolation") in (None, "bicubic", "random")
+             and set(kwargs) <= {"resize_mode", "interpolation"})
+    if (not is_train and plain and isinstance(image_size, int)
+            and all(isinstance(v, (list, tuple)) and len(v) == 3 for v in (mean, std))):
+        return EvalTransform(image_size, mean, std)
+    return _open_clip_transform(image_size, is_train, mean, std, **kwargs)

@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw
 from .recordio import RecordIOWriter
 from .tokens import encode_captions_batch, labels_for_rec
 
-BUILTIN_VERSION = "shapes-v6"
+BUILTIN_VERSION = "shapes-v7"
 _SS = 2  # supersampling factor of the training renderer's anti-aliased edges
 
 SHAPES = ["circle", "square", "triangle", "cross", "star"]
@@ -116,7 +116,7 @@ def _outline(kind: str, rng: np.random.Generator) -> np.ndarray:
         pts[:, 1] = (pts[:, 1] - pts[:, 1].mean()) * k
         return pts
     if kind == "cross":
-        w, L = rng.uniform(0.28, 0.40), 1.05
+        w, L = rng.uniform(0.20, 0.40), 1.05
         return np.array([(-w, -L), (w, -L), (w, -w), (L, -w), (L, w), (w, w), (w, L),
                          (-w, L), (-w, w), (-L, w), (-L, -w), (-w, -w)])
     if kind == "star":
@@ -390,7 +390,7 @@ def default_cache_root() -> str:
         os.path.expanduser("~"), ".cache", "rwkv_clip")
 
 
-def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 25000,
+def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 32000,
                            num_val: int = 500, zeroshot_per_class: int = 10
                            ) -> BuiltinDataset:
     """Generate (once) and return the built-in dataset: ``train`` and ``val`` .rec files

@@ -13,23 +13,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import DataError
-from ..tokenizer import EOT_TOKEN, SOT_TOKEN
+from ..tokenizer import EOT_TOKEN, SOT_TOKEN, open_clip_tokenizer, tokenize
 
 CONTEXT_LENGTH = 77
 NUM_CAPTIONS = 3
 NUM_LABELS = NUM_CAPTIONS * CONTEXT_LENGTH  # 231
 VOCAB_SIZE = 49408
-
-_tokenize = None
-
-
-def _get_tokenize():
-    global _tokenize
-    if _tokenize is None:
-        from open_clip import tokenize  # bundled BPE vocab: no download
-        _tokenize = tokenize
-    return _tokenize
-
 
 def tokenize_texts(texts: Sequence[str]) -> np.ndarray:
     """Tokenise a list of strings -> int64 array (len(texts), 77), with open_clip's
@@ -38,7 +27,7 @@ def tokenize_texts(texts: Sequence[str]) -> np.ndarray:
     if len(texts) == 0:
         return np.zeros((0, CONTEXT_LENGTH), dtype=np.int64)
     uniq = list(dict.fromkeys(texts))  # tokenise each distinct string once
-    tok = _get_tokenize()(uniq, context_length=CONTEXT_LENGTH).numpy().astype(np.int64)
+    tok = tokenize(uniq, context_length=CONTEXT_LENGTH).numpy().astype(np.int64)
     if len(uniq) == len(texts):
         return tok
     pos = {t: i for i, t in enumerate(uniq)}
@@ -196,10 +185,10 @@ def labels_for_rec(tokens: np.ndarray) -> np.ndarray:
 
 def decode_tokens(tokens) -> list[str]:
     """int tokens (231,) or (3, 77) -> the three caption strings (for inspection)."""
-    from open_clip.tokenizer import _tokenizer  # SimpleTokenizer instance
+    bpe = open_clip_tokenizer()._tokenizer  # its SimpleTokenizer instance
     arr = np.asarray(tokens, dtype=np.int64).reshape(-1, CONTEXT_LENGTH)
     out = []
     for row in arr:
         ids = [int(t) for t in row if t not in (0, SOT_TOKEN, EOT_TOKEN)]
-        out.append(_tokenizer.decode(ids).strip())
+        out.append(bpe.decode(ids).strip())
     return out

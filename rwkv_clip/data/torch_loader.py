@@ -299,6 +299,9 @@ def private_generator(seed: int) -> torch.Generator:
     return g
 
 
+IN_PROCESS_EVAL_PAIRS = 2048  # evaluation sets smaller than this load without workers
+
+
 class TorchLoader:
     """Iterable over (images, tokens) batches with ``len()`` and ``reset()``."""
 
@@ -310,6 +313,10 @@ class TorchLoader:
         self.batch_size = batch_size
         self.num_samples = len(source)  # usable pairs over all ranks
         self.workers = max(0, int(workers))
+        if not train and self.num_samples < IN_PROCESS_EVAL_PAIRS:
+            # a short in-order pass: decoding it here costs less than starting worker
+            # processes, each of which imports torch; nothing random depends on workers
+            self.workers = 0
         self.epoch = 0
         self.skipped = 0
         self.skipped_epoch = 0
