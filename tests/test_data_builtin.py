@@ -163,6 +163,6 @@ def test_default_size_generation_and_builtin_format(tmp_path):
                               workers=1, input_size=32, seed=0, device="cpu", loader="auto"),
                            log=None)
     ds = ensure_builtin_dataset(root=str(tmp_path))
-    assert ds.num_train == 32000 and len(L) == 500  # 32000 / 64
+    assert ds.num_train == 31360 and len(L) == 490  # 31360 / 64
     images, tokens = next(iter(L))
     assert images.shape == (64, 3, 32, 32) and tokens.dtype.is_floating_point is False

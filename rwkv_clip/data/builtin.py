@@ -390,7 +390,7 @@ def default_cache_root() -> str:
         os.path.expanduser("~"), ".cache", "rwkv_clip")
 
 
-def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 32000,
+def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 31360,
                            num_val: int = 500, zeroshot_per_class: int = 10
                            ) -> BuiltinDataset:
     """Generate (once) and return the built-in dataset: ``train`` and ``val`` .rec files
