@@ -3,6 +3,9 @@ evaluation variant computed here on PIL alone (importing open_clip or torchvisio
 seconds, which every zero-shot run would pay before its first image)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 from PIL import Image
@@ -21,7 +24,7 @@ class EvalTransform:
         self.mean_std = (tuple(mean), tuple(std))
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
-        self._open_clip = None
+        self._open_clip: Callable[[Any], torch.Tensor] | None = None
 
     def __call__(self, image) -> torch.Tensor:
         if not isinstance(image, Image.Image):

@@ -268,7 +268,7 @@ def test_eval_transform_equals_open_clips_in_every_value(mode, wh, size):
 
     img = random_image(*wh, seed=sum(wh))
     img = img.convert(mode) if mode != "I;16" else Image.fromarray(
-        (np.asarray(img.convert("L"), np.uint16) * 257))
+        np.asarray(img.convert("L"), np.uint16) * 257)
     ours = image_transform(size, is_train=False)
     assert isinstance(ours, EvalTransform)
     reference = open_clip_transform(size, is_train=False, mean=OPENAI_DATASET_MEAN,
