@@ -151,12 +151,11 @@ def compute_predictions(model, folder: str | os.PathLike, device: torch.device |
         classification_logits,
         model_input_size,
     )
-    from .transform import image_transform
+    from .transform import EvalTransform
 
     model = unwrap_model(model)
     device = torch.device(device)
-    eval_set = image_folder_set(folder, image_transform(model_input_size(model),
-                                                        is_train=False))
+    eval_set = image_folder_set(folder, EvalTransform(model_input_size(model)))
     was_training = model.training
     model.eval()
     try:

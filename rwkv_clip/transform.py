@@ -1,6 +1,6 @@
-"""Image transforms: open_clip's ``image_transform`` with the CLIP mean/std defaults; its
-evaluation variant computed here on PIL alone (importing open_clip or torchvision costs
-seconds, which every zero-shot run would pay before its first image)."""
+"""Image transforms: open_clip's ``image_transform`` with the CLIP mean/std defaults, and
+:class:`EvalTransform`, its evaluation variant computed on PIL alone (importing open_clip
+or torchvision costs seconds, which every evaluation would pay before its first image)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -55,13 +55,8 @@ def _open_clip_transform(image_size, is_train: bool, mean, std, **kwargs):
 
 def image_transform(image_size, is_train: bool, mean=None, std=None, **kwargs):
     """PIL image -> normalised tensor: resize + center crop (eval) or random resized crop
-    (train), as open_clip; mean/std default to CLIP's. The plain evaluation transform (a
-    square size, open_clip's default resize and interpolation) is :class:`EvalTransform`."""
-    mean, std = mean or OPENAI_DATASET_MEAN, std or OPENAI_DATASET_STD
-    plain = (kwargs.get("resize_mode") in (None, "shortest")
-             and kwargs.get("interpolation") in (None, "bicubic", "random")
-             and set(kwargs) <= {"resize_mode", "interpolation"})
-    if (not is_train and plain and isinstance(image_size, int)
-            and all(isinstance(v, (list, tuple)) and len(v) == 3 for v in (mean, std))):
-        return EvalTransform(image_size, mean, std)
-    return _open_clip_transform(image_size, is_train, mean, std, **kwargs)
+    (train): open_clip's own transform (a torchvision ``Compose``), mean/std defaulting to
+    CLIP's. The evaluation code uses :class:`EvalTransform`, the same values without
+    importing open_clip."""
+    return _open_clip_transform(image_size, is_train, mean or OPENAI_DATASET_MEAN,
+                                std or OPENAI_DATASET_STD, **kwargs)

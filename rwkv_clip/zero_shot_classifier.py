@@ -46,10 +46,10 @@ def _image_batch(model: Any, images: Any) -> torch.Tensor:
     if isinstance(images, torch.Tensor):
         return images.unsqueeze(0) if images.dim() == 3 else images
     from .eval.zeroshot import model_input_size
-    from .transform import image_transform
+    from .transform import EvalTransform
 
     items = images if isinstance(images, (list, tuple)) else [images]
-    preprocess = image_transform(model_input_size(model), is_train=False)
+    preprocess = EvalTransform(model_input_size(model))
     return torch.stack([preprocess(image) for image in items])
 
 

@@ -260,17 +260,16 @@ def test_single_flag_overrides_small_default():
 @pytest.mark.parametrize("wh,size", [((61, 40), 32), ((30, 70), 32), ((32, 32), 32),
                                      ((33, 17), 16), ((7, 9), 24), ((225, 224), 224)])
 def test_eval_transform_equals_open_clips_in_every_value(mode, wh, size):
-    """rwkv_clip.transform computes open_clip's eval transform without importing it (or
+    """EvalTransform computes open_clip's eval transform without importing it (or
     torchvision): the same tensor for any size, aspect and PIL mode, upscaling included."""
     from open_clip.transform import image_transform as open_clip_transform
 
-    from rwkv_clip.transform import EvalTransform, image_transform
+    from rwkv_clip.transform import EvalTransform
 
     img = random_image(*wh, seed=sum(wh))
     img = img.convert(mode) if mode != "I;16" else Image.fromarray(
         np.asarray(img.convert("L"), np.uint16) * 257)
-    ours = image_transform(size, is_train=False)
-    assert isinstance(ours, EvalTransform)
+    ours = EvalTransform(size)
     reference = open_clip_transform(size, is_train=False, mean=OPENAI_DATASET_MEAN,
                                     std=OPENAI_DATASET_STD)
     assert torch.equal(ours(img), reference(img))
@@ -279,8 +278,8 @@ def test_eval_transform_equals_open_clips_in_every_value(mode, wh, size):
 
 
 def test_eval_transform_imports_neither_open_clip_nor_torchvision():
-    code = ("import sys\nfrom PIL import Image\nfrom rwkv_clip.transform import image_transform\n"
-            "x = image_transform(16, is_train=False)(Image.new('RGB', (20, 30)))\n"
+    code = ("import sys\nfrom PIL import Image\nfrom rwkv_clip.transform import EvalTransform\n"
+            "x = EvalTransform(16)(Image.new('RGB', (20, 30)))\n"
             "assert x.shape == (3, 16, 16), x.shape\n"
             "print(sorted(m for m in ('open_clip', 'torchvision') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

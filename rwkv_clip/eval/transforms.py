@@ -1,7 +1,8 @@
 """The image preprocessing of each evaluation set, as the original computes it.
 
 ImageNet follows the original's DALI pipeline (:class:`ImageNetEvalTransform`); every
-other set and retrieval use open_clip's ``image_transform(S, is_train=False)``, as the
+other set and retrieval use open_clip's ``image_transform(S, is_train=False)`` (computed by
+:class:`rwkv_clip.transform.EvalTransform`, equal in every value), as the
 original's ``zero_shot.py`` / ``text_image_retrieval.py`` do.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..transform import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, image_transform
+from ..transform import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, EvalTransform
 
 # The original's ImageNet resize: shorter side int(256 / 224 * S) before the S crop.
 IMAGENET_RESIZE_RATIO = 256 / 224
@@ -74,7 +75,7 @@ def eval_transform(dataset: str, input_size: int) -> Callable[[Image.Image], tor
 
     if canonical_name(dataset) == "imagenet":
         return ImageNetEvalTransform(input_size)
-    return image_transform(input_size, is_train=False)
+    return EvalTransform(input_size)
 
 
 def protocol(dataset: str) -> str:

@@ -119,11 +119,11 @@ def evaluate_imagefolder(model, folder: str | os.PathLike, device: torch.device 
     With a process group up, call it on every rank (each encodes a shard, all get the
     same metrics), or pass ``single_process=True`` to evaluate everything on this rank
     alone (e.g. only on rank 0)."""
-    from ..transform import image_transform
+    from ..transform import EvalTransform
 
     if input_size is None:
         input_size = model_input_size(model)
-    eval_set = image_folder_set(folder, image_transform(input_size, is_train=False), name=name,
+    eval_set = image_folder_set(folder, EvalTransform(input_size), name=name,
                                 classnames=classnames, templates=templates)
     return evaluate_classification(model, eval_set, device, batch_size, workers, precision,
                                    info=DistInfo() if single_process else None)
