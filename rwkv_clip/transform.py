@@ -29,7 +29,7 @@ class EvalTransform:
     def __call__(self, image) -> torch.Tensor:
         if not isinstance(image, Image.Image):
             if self._open_clip is None:
-                self._open_clip = _open_clip_transform(self.size, False, *self.mean_std)
+                self._open_clip = image_transform(self.size, False, *self.mean_std)
             return self._open_clip(image)
         s, (w, h) = self.size, image.size
         # torchvision's shorter-side size: the longer side scaled and truncated
@@ -47,16 +47,12 @@ class EvalTransform:
         return f"{type(self).__name__}(size={self.size}, mean={self.mean_std[0]}, std={self.mean_std[1]})"
 
 
-def _open_clip_transform(image_size, is_train: bool, mean, std, **kwargs):
-    from open_clip.transform import image_transform as open_clip_image_transform
-    return open_clip_image_transform(image_size, is_train=is_train, mean=mean, std=std,
-                                     **kwargs)
-
-
 def image_transform(image_size, is_train: bool, mean=None, std=None, **kwargs):
     """PIL image -> normalised tensor: resize + center crop (eval) or random resized crop
     (train): open_clip's own transform (a torchvision ``Compose``), mean/std defaulting to
     CLIP's. The evaluation code uses :class:`EvalTransform`, the same values without
     importing open_clip."""
-    return _open_clip_transform(image_size, is_train, mean or OPENAI_DATASET_MEAN,
-                                std or OPENAI_DATASET_STD, **kwargs)
+    from open_clip.transform import image_transform as open_clip_image_transform
+    return open_clip_image_transform(image_size, is_train=is_train,
+                                     mean=mean or OPENAI_DATASET_MEAN,
+                                     std=std or OPENAI_DATASET_STD, **kwargs)
