@@ -87,11 +87,11 @@ inline void grow(V& vec, int64_t n) {
     if (static_cast<int64_t>(vec.size()) < n) vec.resize(n);
 }
 
-// fp32 slabs of one (batch, head): r, k, v, decay, -exp(w), gy as (T, N) rows, and u.
+// fp32 slabs of one (batch, head): r, k, v, decay, -exp(w), gy, y as (T, N) rows, and u.
 struct Slabs {
-    std::vector<float> r, k, v, d, ew, g, u, state;
+    std::vector<float> r, k, v, d, ew, g, u, state, y;
     void resize(int64_t n, int64_t N, bool with_g) {  // grows only
-        grow(r, n); grow(k, n); grow(v, n); grow(d, n); grow(ew, n); grow(u, N);
+        grow(r, n); grow(k, n); grow(v, n); grow(d, n); grow(ew, n); grow(u, N); grow(y, n);
         grow(state, N * N);
         if (with_g) grow(g, n);
     }
@@ -162,40 +162,52 @@ inline void store8(float* p, vf8 x) { std::memcpy(p, &x, sizeof x); }
 
 // Both directions of the forward pass for head sizes that are multiples of 16, with the
 // state held in registers: the state is cut into tiles of 4 key channels x 16 value
-// channels (eight vectors), and each tile runs through all T steps before the next, so
-// the state is never stored; only y[t] is read and written, once per tile and step (the
-// row-at-a-time scan below stores every state element at every step). The bonus term is
-// added by the caller.
+// channels (eight vectors). Time runs in chunks of CHUNK steps; within a chunk each tile
+// runs through every step before the next tile, so a chunk's rows of r, k, v, d and y
+// (a few KB) stay in L1 while every tile passes over them, and a tile's state goes to
+// memory only between chunks. y is a contiguous (T, N) slab. The bonus term is added by
+// the caller.
 template <int N>
 void forward_tiles(const float* r, const float* k, const float* v, const float* d, float* y,
-                   int64_t T, int64_t C) {
+                   float* state, int64_t T) {
     static_assert(N % 16 == 0, "tiles of 16 value channels");
+    constexpr int64_t CHUNK = 256;
     for (int reverse = 0; reverse < 2; ++reverse) {
-        for (int i0 = 0; i0 < N; i0 += 16) {
-            for (int j0 = 0; j0 < N; j0 += 4) {
-                vf8 s00 = {}, s01 = {}, s10 = {}, s11 = {}, s20 = {}, s21 = {}, s30 = {}, s31 = {};
-                for (int64_t step = 0; step < T; ++step) {
-                    const int64_t t = reverse ? T - 1 - step : step;
-                    const float* rt = r + t * N + j0;
-                    const float* kt = k + t * N + j0;
-                    const float* dt = d + t * N + j0;
-                    const vf8 v0 = load8(v + t * N + i0), v1 = load8(v + t * N + i0 + 8);
-                    // y uses the state before this step's update (A[t-1] / B[t+1])
-                    vf8 y0 = rt[0] * s00 + rt[1] * s10;
-                    vf8 y1 = rt[0] * s01 + rt[1] * s11;
-                    y0 += rt[2] * s20 + rt[3] * s30;
-                    y1 += rt[2] * s21 + rt[3] * s31;
-                    s00 = dt[0] * s00 + kt[0] * v0;
-                    s01 = dt[0] * s01 + kt[0] * v1;
-                    s10 = dt[1] * s10 + kt[1] * v0;
-                    s11 = dt[1] * s11 + kt[1] * v1;
-                    s20 = dt[2] * s20 + kt[2] * v0;
-                    s21 = dt[2] * s21 + kt[2] * v1;
-                    s30 = dt[3] * s30 + kt[3] * v0;
-                    s31 = dt[3] * s31 + kt[3] * v1;
-                    float* yt = y + t * C + i0;
-                    store8(yt, load8(yt) + y0);
-                    store8(yt + 8, load8(yt + 8) + y1);
+        std::fill(state, state + N * N, 0.0f);
+        for (int64_t c0 = 0; c0 < T; c0 += CHUNK) {
+            const int64_t c1 = std::min(T, c0 + CHUNK);
+            float* tile = state;  // 64 floats per tile, tiles in (i0, j0) order
+            for (int i0 = 0; i0 < N; i0 += 16) {
+                for (int j0 = 0; j0 < N; j0 += 4, tile += 64) {
+                    vf8 s00 = load8(tile), s01 = load8(tile + 8), s10 = load8(tile + 16),
+                        s11 = load8(tile + 24), s20 = load8(tile + 32), s21 = load8(tile + 40),
+                        s30 = load8(tile + 48), s31 = load8(tile + 56);
+                    for (int64_t step = c0; step < c1; ++step) {
+                        const int64_t t = reverse ? T - 1 - step : step;
+                        const float* rt = r + t * N + j0;
+                        const float* kt = k + t * N + j0;
+                        const float* dt = d + t * N + j0;
+                        const vf8 v0 = load8(v + t * N + i0), v1 = load8(v + t * N + i0 + 8);
+                        // y uses the state before this step's update (A[t-1] / B[t+1])
+                        vf8 y0 = rt[0] * s00 + rt[1] * s10;
+                        vf8 y1 = rt[0] * s01 + rt[1] * s11;
+                        y0 += rt[2] * s20 + rt[3] * s30;
+                        y1 += rt[2] * s21 + rt[3] * s31;
+                        s00 = dt[0] * s00 + kt[0] * v0;
+                        s01 = dt[0] * s01 + kt[0] * v1;
+                        s10 = dt[1] * s10 + kt[1] * v0;
+                        s11 = dt[1] * s11 + kt[1] * v1;
+                        s20 = dt[2] * s20 + kt[2] * v0;
+                        s21 = dt[2] * s21 + kt[2] * v1;
+                        s30 = dt[3] * s30 + kt[3] * v0;
+                        s31 = dt[3] * s31 + kt[3] * v1;
+                        float* yt = y + t * N + i0;
+                        store8(yt, load8(yt) + y0);
+                        store8(yt + 8, load8(yt + 8) + y1);
+                    }
+                    store8(tile, s00); store8(tile + 8, s01); store8(tile + 16, s10);
+                    store8(tile + 24, s11); store8(tile + 32, s20); store8(tile + 40, s21);
+                    store8(tile + 48, s30); store8(tile + 56, s31);
                 }
             }
         }
@@ -371,11 +383,15 @@ void forward_impl(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
             load_inputs(in, r, k, v, w, off, T, C, N);
             load_u(u, h, N, in.u.data());
             float* yb = yp + off;
-            for (int64_t t = 0; t < T; ++t) std::fill(yb + t * C, yb + t * C + N, 0.0f);
             if constexpr (NC > 0 && NC % 16 == 0) {
-                add_bonus<NC>(in.r.data(), in.k.data(), in.v.data(), in.u.data(), yb, T, C);
-                forward_tiles<NC>(in.r.data(), in.k.data(), in.v.data(), in.d.data(), yb, T, C);
+                float* ys = in.y.data();  // contiguous rows: see forward_tiles
+                std::fill(ys, ys + T * N, 0.0f);
+                add_bonus<NC>(in.r.data(), in.k.data(), in.v.data(), in.u.data(), ys, T, N);
+                forward_tiles<NC>(in.r.data(), in.k.data(), in.v.data(), in.d.data(), ys,
+                                  in.state.data(), T);
+                store_slab(ys, y, off, T, C, N);
             } else {
+                for (int64_t t = 0; t < T; ++t) std::fill(yb + t * C, yb + t * C + N, 0.0f);
                 forward_scan<NC>(in.r.data(), in.k.data(), in.v.data(), in.d.data(),
                                  in.u.data(), in.state.data(), yb, T, C, N, false);
                 forward_scan<NC>(in.r.data(), in.k.data(), in.v.data(), in.d.data(), nullptr,
