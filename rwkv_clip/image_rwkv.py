@@ -17,9 +17,8 @@ from .layers import (
     DropPath,
     Linear,
     PatchEmbed,
-    lerp_split,
+    channel_mix,
     q_shift_multihead,
-    relu_square,
     resize_pos_embed,
 )
 from .layers.time_mix import (
@@ -113,11 +112,7 @@ class VRWKV_ChannelMix_V6(nn.Module):
         # Note the convention: spatial_mix_* weights x itself (the text tower's time_maa_k
         # weights the shifted neighbour instead): x * m + shifted * (1 - m), both in one lerp.
         mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(x.dtype)
-        xk, xr = lerp_split(shifted, x, mix)
-        k = relu_square(self.key(xk), inplace=True)
-        if self.key_norm is not None:
-            k = self.key_norm(k)
-        return torch.sigmoid(self.receptance(xr)) * self.value(k)
+        return channel_mix(shifted, x, mix, self.key, self.receptance, self.value, self.key_norm)
 
     def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
         return self.mix(x, patch_resolution)

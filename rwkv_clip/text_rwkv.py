@@ -12,7 +12,7 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from .config import ModelArgs, complete_args
-from .layers import Linear, bidirectional_shift_multihead, lerp_split, relu_square
+from .layers import Linear, bidirectional_shift_multihead, channel_mix
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,
@@ -83,9 +83,7 @@ class RWKV_CMix_V6(nn.Module):
         x = x.to(glue_dtype(x))
         shifted = bidirectional_shift_multihead(x, 1, self.args.head_size)
         mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(x.dtype)
-        xk, xr = lerp_split(x, shifted, mix)
-        k = relu_square(self.key(xk), inplace=True)
-        return torch.sigmoid(self.receptance(xr)) * self.value(k)
+        return channel_mix(x, shifted, mix, self.key, self.receptance, self.value)
 
 
 class Block(nn.Module):

@@ -77,7 +77,8 @@ def test_saved_activations_match_autograd(ft):
     del loss
     plan = activation_segments(args, batch, "bf16" if amp else None, "cpu",
                                params=parameter_table(args, ft))
-    counted = sum(s.saved + s.casts for s in plan.segments)
+    # under the counting hook (someone else's), the blocks rebuild nothing
+    counted = sum(s.saved + s.rebuilt + s.casts for s in plan.segments)
     assert abs(real - counted) / real < 0.02, (real, counted)
 
 

@@ -1,4 +1,5 @@
 """Building blocks shared by the two towers, one concept per file."""
+from .channel_mix import channel_mix
 from .drop_path import DropPath, drop_path
 from .head_norm import head_group_norm
 from .lerp import lerp, lerp_split
@@ -9,7 +10,6 @@ from .relu_square import relu_square
 from .shift import bidirectional_shift_multihead, q_shift_multihead
 from .time_mix import TimeMixBase
 
-__all__ = ["DropPath", "drop_path", "head_group_norm", "lerp", "lerp_split", "Linear", "conv2d", "matmul",
-           "PatchEmbed", "resize_pos_embed", "relu_square",
-           "bidirectional_shift_multihead", "q_shift_multihead",
-           "TimeMixBase"]
+__all__ = ["channel_mix", "DropPath", "drop_path", "head_group_norm", "lerp", "lerp_split",
+           "Linear", "conv2d", "matmul", "PatchEmbed", "resize_pos_embed", "relu_square",
+           "bidirectional_shift_multihead", "q_shift_multihead", "TimeMixBase"]

@@ -5,6 +5,7 @@ values (:func:`relu_square`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,3 +43,12 @@ def relu_square(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
             return x.relu_().square_()
         return torch.square(torch.relu(x))
     return _ReluSquare.apply(x)
+
+
+def rebuild_relu_square(h: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """For ``h = relu_square(x)`` built for the backward: a function giving h again bit for
+    bit from the relu its backward keeps (None where h came another way)."""
+    node = h.grad_fn
+    if node is None or type(node) is not _ReluSquare._backward_cls:
+        return None
+    return lambda: torch.square(node.saved_tensors[0])  # type: ignore[attr-defined]

@@ -6,6 +6,8 @@ own token shift; the arithmetic below is common to both.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,7 @@ from ..ops import wkv6_bidirectional
 from .head_norm import head_group_norm
 from .lerp import lerp, lerp_split
 from .linear import Linear, matmul
+from .recompute import RecomputedSaves
 
 TIME_MIX_EXTRA_DIM = 32    # rank of the LoRA that makes the five lerp weights data-dependent
 TIME_DECAY_EXTRA_DIM = 64  # rank of the LoRA that makes the decay data-dependent
@@ -112,12 +115,16 @@ class TimeMixBase(nn.Module):
         mix = matmul(mix_input, self.time_maa_w2).view(5, B, T, C)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
                          self.time_maa_g)).to(dtype)  # (5, 1, C): broadcasts over (B, T)
-        xw, xk, xv, xr, xg = lerp_split(x, shifted, mix + maa.unsqueeze(1))
-
-        r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
-        g = F.silu(self.gate(xg))
-        w = self.time_decay + matmul(torch.tanh(matmul(xw, self.time_decay_w1)),
-                                     self.time_decay_w2)
+        weight = mix + maa.unsqueeze(1)
+        with RecomputedSaves() as saves:  # the five mixes: rebuilt by the backward
+            xw, xk, xv, xr, xg = lerp_split(x, shifted, weight)
+            if saves.active and xw.requires_grad and xw._base is not None:
+                saves.add(xw._base, functools.partial(torch.lerp, x, shifted, weight))
+            del weight  # kept by the lerp's backward, if at all
+            r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
+            g = F.silu(self.gate(xg))
+            w = self.time_decay + matmul(torch.tanh(matmul(xw, self.time_decay_w1)),
+                                         self.time_decay_w2)
         return r, k, v, g, w
 
     def output_projection(self, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -117,8 +117,8 @@ def training_peak(args: Any, batch: int, precision: str, checkpointing: bool = F
         for i in range(len(segs) - 1, -1, -1):
             s = segs[i]
             acts = sum(x.ckpt_input if x.ckpt_input else x.saved + x.casts for x in segs[:i + 1])
-            if s.ckpt_input:   # this block is recomputed: its saved tensors and casts
-                acts += s.saved + s.casts
+            if s.ckpt_input:   # this block is recomputed (nothing rebuilt under checkpointing)
+                acts += s.saved + s.rebuilt + s.casts
             total = persistent + max(grads_alive, produced) + acts + s.workspace
             phase = f"backward of {s.name}" + (" (recomputed)" if s.ckpt_input else "")
             best = max(best, (total, phase, acts, s.workspace))

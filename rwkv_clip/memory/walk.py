@@ -58,12 +58,13 @@ class Sym:
     """A symbolic tensor: element count and dtype. Identity = Python identity; a view
     (``base`` set) is saved as its base's storage, counted once however many views of it
     are saved."""
-    __slots__ = ("n", "dtype", "param", "base", "rg", "__weakref__")
+    __slots__ = ("n", "dtype", "param", "base", "rg", "rebuilt", "__weakref__")
 
     def __init__(self, n: int, dtype: str, param: bool = False,
                  base: Sym | None = None, rg: bool = True) -> None:
         self.n, self.dtype, self.param, self.base = int(n), dtype, param, base
         self.rg = rg  # requires grad (False: a frozen parameter or what only they made)
+        self.rebuilt = False  # the backward rebuilds it (rwkv_clip.layers.recompute)
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +85,7 @@ class Walker:
     def __init__(self, amp: str | None, device: str) -> None:
         self.amp, self.device = amp, device
         self.saved: dict[int, Sym] = {}
+        self._rebuilt = 0
         self.weight_cast_bytes = 0  # low-precision copies of weights (autocast cache)
         self._casts_taken = 0
         # fine-tuning (rwkv_clip.memory.finetune): whether the parameters being walked
@@ -111,10 +113,23 @@ class Walker:
             if not t.param:
                 self.saved[id(t)] = t
 
+    def rebuild(self, t: Sym) -> Sym:
+        """Mark ``t``'s storage as rebuilt by the backward (``RecomputedSaves``): saving it
+        (or a view) keeps nothing, unless checkpointing's own hooks are active."""
+        (t.base or t).rebuilt = True
+        return t
+
     def take_saved(self) -> int:
-        """Bytes saved since the last call (the finished segment); resets the record."""
-        total = sum(t.nbytes for t in self.saved.values())
+        """Bytes saved since the last call (the finished segment) and kept; what the
+        backward rebuilds instead goes to :meth:`take_rebuilt`. Resets the record."""
+        total = sum(t.nbytes for t in self.saved.values() if not t.rebuilt)
+        self._rebuilt = sum(t.nbytes for t in self.saved.values() if t.rebuilt)
         self.saved = {}
+        return total
+
+    def take_rebuilt(self) -> int:
+        """Bytes of the last :meth:`take_saved` that the backward rebuilds."""
+        total, self._rebuilt = self._rebuilt, 0
         return total
 
     def take_casts(self) -> int:
@@ -240,6 +255,7 @@ class Segment:
     grad_bytes: int
     workspace: int
     ckpt_input: int = 0   # bytes a checkpointed block keeps (its input)
+    rebuilt: int = 0      # saved bytes the backward rebuilds; kept when checkpointing
     inference_peak: int = 0  # working set of this segment under no_grad
     casts: int = 0        # autocast low-precision weight copies made in this segment
 
@@ -266,7 +282,7 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     t1 = w.unary_saves_result(m1)                        # tanh
     mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm: (5,B,T,C)
     maa = w.glue(P(5 * C))                               # cat of time_maa_w/k/v/r/g
-    mixed = w.lerp(x, sh, w.add(mm, maa), stacked=5)     # one (5, B, T, C) lerp
+    mixed = w.rebuild(w.lerp(x, sh, w.add(mm, maa), stacked=5))  # one (5, B, T, C) lerp
     xw, xk, xv, xr, xg = mixed.split(5)                  # unbind: views of one storage
     r = w.matmul(xr, P(C * A, matrix=True), C, A, lora="att.receptance")
     k = w.matmul(xk, P(C * A, matrix=True), C, A, lora="att.key")
@@ -308,9 +324,11 @@ def _channel_mix(w: Walker, bx: Sym, C: int, Fh: int, image: bool) -> tuple[Sym,
     x = w.glue(bx)
     sh = w.new(n, x.dtype, x.rg)
     mix = w.glue(w.param(2 * C))                       # cat of the two mix parameters
-    xk, xr = (w.lerp(sh, x, mix, 2) if image else w.lerp(x, sh, mix, 2)).split(2)
+    xk, xr = w.rebuild(w.lerp(sh, x, mix, 2) if image else w.lerp(x, sh, mix, 2)).split(2)
     kk = w.unary_saves_result(w.matmul(xk, P(C * Fh), C, Fh, lora="ffn.key"))   # relu
     k2 = w.pow2(kk)
+    if w.device == "cpu" or w.amp is None:  # relu_square's own Function: k2 rebuilt
+        w.rebuild(k2)
     val = w.matmul(k2, P(Fh * C), Fh, C, lora="ffn.value")
     rr = w.unary_saves_result(w.matmul(xr, P(C * C), C, C, lora="ffn.receptance"))  # sigmoid
     out = w.mul(rr, val)
@@ -340,13 +358,15 @@ def _block(w: Walker, x: Sym, C: int, A: int, H: int, Fh: int, first: bool, imag
     x2 = w.add(x1, c)
     # backward runs the channel mix first; by the time mix's backward, the channel mix's
     # saved tensors are freed, so its working set counts above what is left
-    cmix_saved = sum(t.nbytes for key, t in w.saved.items() if key not in held)
+    cmix_saved = sum(t.nbytes for key, t in w.saved.items()
+                     if key not in held and not t.rebuilt)
     ws = max(ws2, ws1 - cmix_saved) if x2.rg else 0  # a frozen block has no backward
     return x2, ws, inf0 + max(inf1, inf2 + x1.n * _SIZES[x1.dtype])
 
 
 def _append(w: Walker, segs: list[Segment], seg: Segment) -> None:
     seg.casts = w.take_casts()
+    seg.rebuilt = w.take_rebuilt()
     segs.append(seg)
 
 
