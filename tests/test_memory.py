@@ -145,7 +145,7 @@ def test_saved_activations_match_autograd(tiny, precision, monkeypatch):
     make_view = recompute._SavedView.__init__
 
     def record(self, rebuild, t):
-        rebuilt[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        rebuilt[id(rebuild)] = t.untyped_storage().nbytes()  # addresses get reused
         make_view(self, rebuild, t)
     monkeypatch.setattr(recompute._SavedView, "__init__", record)
     with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
@@ -161,8 +161,9 @@ def test_checkpointing_reduces_activations(tiny):
     off = training_peak(args, 256, "bf16", checkpointing=False)
     on = training_peak(args, 256, "bf16", checkpointing=True)
     assert on["training_peak_bytes"] < off["training_peak_bytes"]
-    # without checkpointing the blocks already rebuild their mixes (a quarter of a block)
-    assert on["activation_bytes"] < off["activation_bytes"] * 0.6
+    # without checkpointing the blocks already rebuild their cheap elementwise results
+    # (a third of what a block saves); a recomputed block rebuilds nothing
+    assert on["activation_bytes"] < off["activation_bytes"] * 0.7
 
 
 def test_gradient_accumulation_divides_activations(tiny):

@@ -8,20 +8,46 @@ which other nodes save anyway, so the values are bit-identical and only the stor
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 
+def _under_current_autocast(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``fn`` run under the autocast the forward had (the backward runs outside it)."""
+    on = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
+          if torch.is_autocast_enabled(dev)]
+    if not on:
+        return fn
+
+    def again() -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            for dev, dtype in on:
+                stack.enter_context(torch.autocast(dev, dtype=dtype))
+            return fn()
+    return again
+
+
 class _Rebuild:
     """A registered result (a contiguous tensor owning its whole storage): how to rebuild
-    it, and the rebuild while other saved views of it are still to be unpacked."""
+    it, and the rebuild while saved views of it are still to be unpacked."""
 
     def __init__(self, recompute: Callable[[], torch.Tensor]) -> None:
         self.recompute = recompute
         self.views = 0  # saved views not yet unpacked
         self.cached: torch.Tensor | None = None
+
+    def full(self) -> torch.Tensor:
+        """The result again; kept for the saved views still to come."""
+        if self.cached is not None:
+            return self.cached
+        fresh = self.recompute().contiguous()
+        if self.views > 0:
+            self.cached = fresh
+        return fresh
 
 
 class _SavedView:
@@ -32,9 +58,7 @@ class _SavedView:
 
     def unpack(self) -> torch.Tensor:
         r = self.rebuild
-        if r.cached is None:
-            r.cached = r.recompute().contiguous()
-        out = r.cached.as_strided(self.size, self.stride, self.offset)
+        out = r.full().as_strided(self.size, self.stride, self.offset)
         r.views -= 1
         if r.views <= 0:  # every saved view has its copy: the cache may go
             r.cached = None
@@ -52,34 +76,42 @@ class RecomputedSaves:
     keep their own policy."""
 
     def __init__(self) -> None:
-        self._by_storage: dict[int, _Rebuild] = {}
-        self._dtypes: dict[int, torch.dtype] = {}
-        self._alive: list[torch.Tensor] = []  # no storage is freed and reused meanwhile
+        # by storage address: the registered tensor (while it lives, no other storage can
+        # take its address), its dtype and rebuild
+        self._by_storage: dict[int, tuple[weakref.ref, torch.dtype, _Rebuild]] = {}
         self._hooks: Any = None
 
     @property
     def active(self) -> bool:
         return self._hooks is not None
 
-    def add(self, result: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> None:
+    def add(self, result: torch.Tensor,
+            recompute: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor] | None:
         """Register ``result``, a contiguous tensor that owns its whole storage (else it
-        is saved as usual); ``recompute()`` gives it again, same shape."""
+        is saved as usual); ``recompute()`` gives it again, same shape. Returns a function
+        giving the result in the backward (for other rebuilds made from it: one rebuild
+        serves all), or None where nothing was registered."""
         storage = result.untyped_storage()
         owns = (result.is_contiguous() and result.storage_offset() == 0
                 and result.numel() * result.element_size() == storage.nbytes())
         if self.active and owns:
-            self._by_storage[storage.data_ptr()] = _Rebuild(recompute)
-            self._dtypes[storage.data_ptr()] = result.dtype
-            self._alive.append(result)
+            rebuild = _Rebuild(_under_current_autocast(recompute))
+            self._by_storage[storage.data_ptr()] = (weakref.ref(result), result.dtype, rebuild)
+            return rebuild.full
+        return None
+
+    def rebuilt(self, t: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+        """The function :meth:`add` returned for ``t``'s storage, if registered."""
+        entry = self._by_storage.get(t.untyped_storage().data_ptr())
+        return entry[2].full if entry is not None and entry[0]() is not None else None
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.layout != torch.strided:
             return t
-        ptr = t.untyped_storage().data_ptr()
-        rebuild = self._by_storage.get(ptr)
-        if rebuild is None or t.dtype != self._dtypes[ptr]:
+        entry = self._by_storage.get(t.untyped_storage().data_ptr())
+        if entry is None or entry[0]() is None or t.dtype != entry[1]:
             return t
-        return _SavedView(rebuild, t)
+        return _SavedView(entry[2], t)
 
     @staticmethod
     def _unpack(saved: Any) -> torch.Tensor:
@@ -98,5 +130,3 @@ class RecomputedSaves:
             self._hooks.__exit__(*exc)
             self._hooks = None
         self._by_storage.clear()
-        self._dtypes.clear()
-        self._alive.clear()

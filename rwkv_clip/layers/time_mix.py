@@ -97,14 +97,16 @@ class TimeMixBase(nn.Module):
     def shift(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
         raise NotImplementedError
 
-    def projections(self, x: torch.Tensor, **shift_kwargs):
+    def projections(self, x: torch.Tensor, saves: RecomputedSaves | None = None,
+                    **shift_kwargs):
         """r, k, v, gate and decay logits from x and its shifted neighbours.
 
         The six lerps ``x + (shift(x) - x) * m`` are ``torch.lerp(x, shift(x), m)``
         (:func:`.lerp.lerp`), the five data-dependent ones as one (5, B, T, C) lerp. Under
         autocast the glue runs in the autocast dtype (see :func:`glue_dtype`); the decay
         logits w keep the original promotion (``time_decay`` + LoRA: float32 in the image
-        tower, bf16 in the text).
+        tower, bf16 in the text). Within ``saves``, the lerp weights, the five mixes and
+        the gate are rebuilt by the backward rather than kept.
         """
         B, T, C = x.shape
         dtype = glue_dtype(x)
@@ -112,31 +114,46 @@ class TimeMixBase(nn.Module):
         shifted = self.shift(x, **shift_kwargs)
         mix_input = lerp(x, shifted, self.time_maa_x.to(dtype))
         mix_input = torch.tanh(matmul(mix_input, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
-        mix = matmul(mix_input, self.time_maa_w2).view(5, B, T, C)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
-                         self.time_maa_g)).to(dtype)  # (5, 1, C): broadcasts over (B, T)
-        weight = mix + maa.unsqueeze(1)
-        with RecomputedSaves() as saves:  # the five mixes: rebuilt by the backward
-            xw, xk, xv, xr, xg = lerp_split(x, shifted, weight)
-            if saves.active and xw.requires_grad and xw._base is not None:
-                saves.add(xw._base, functools.partial(torch.lerp, x, shifted, weight))
-            del weight  # kept by the lerp's backward, if at all
-            r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
-            g = F.silu(self.gate(xg))
-            w = self.time_decay + matmul(torch.tanh(matmul(xw, self.time_decay_w1)),
-                                         self.time_decay_w2)
+                         self.time_maa_g)).to(dtype).unsqueeze(1)  # (5, 1, 1, C)
+
+        def lerp_weights() -> torch.Tensor:  # (5, B, T, C), from what the bmm keeps
+            return matmul(mix_input, self.time_maa_w2).view(5, B, T, C) + maa
+
+        weight = lerp_weights()
+        weight_again = None  # registered before the lerp saves it
+        if saves is not None and (weight.requires_grad or x.requires_grad):
+            weight_again = saves.add(weight, lerp_weights)
+        xw, xk, xv, xr, xg = lerp_split(x, shifted, weight)
+        if saves is not None and weight_again is not None and xw._base is not None:
+            saves.add(xw._base, lambda: torch.lerp(x, shifted, weight_again()))
+        del weight  # kept by the lerp's backward, if at all
+        r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
+        gate = self.gate(xg)
+        g = F.silu(gate)
+        if saves is not None and g.requires_grad:
+            saves.add(g, functools.partial(F.silu, gate))
+        w = self.time_decay + matmul(torch.tanh(matmul(xw, self.time_decay_w1)),
+                                     self.time_decay_w2)
         return r, k, v, g, w
 
-    def output_projection(self, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """Per-head GroupNorm of the WKV output, gated, projected back."""
+    def output_projection(self, y: torch.Tensor, g: torch.Tensor,
+                          saves: RecomputedSaves | None = None) -> torch.Tensor:
+        """Per-head GroupNorm of the WKV output, gated, projected back (the gated product
+        rebuilt by the backward within ``saves``)."""
         B, T, C = y.shape
         y = head_group_norm(y.view(B * T, C), self.ln_x).view(B, T, C)
-        return self.output(y.to(g.dtype) * g)  # under autocast: the dtype output casts to
+        y = y.to(g.dtype)  # under autocast: the dtype output casts to
+        gated = y * g
+        if saves is not None and gated.requires_grad and (g_again := saves.rebuilt(g)):
+            saves.add(gated, lambda: y * g_again())
+        return self.output(gated)
 
     def mix(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
-        r, k, v, g, w = self.projections(x, **shift_kwargs)
-        y = wkv6_bidirectional(r, k, v, w, self.time_faaaa, backend=self.wkv_backend)
-        key_norm: nn.Module | None = getattr(self, "key_norm", None)
-        if key_norm is not None:
-            y = key_norm(y)
-        return self.output_projection(y, g)
+        with RecomputedSaves() as saves:
+            r, k, v, g, w = self.projections(x, saves, **shift_kwargs)
+            y = wkv6_bidirectional(r, k, v, w, self.time_faaaa, backend=self.wkv_backend)
+            key_norm: nn.Module | None = getattr(self, "key_norm", None)
+            if key_norm is not None:
+                y = key_norm(y)
+            return self.output_projection(y, g, saves)

@@ -282,12 +282,17 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     t1 = w.unary_saves_result(m1)                        # tanh
     mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm: (5,B,T,C)
     maa = w.glue(P(5 * C))                               # cat of time_maa_w/k/v/r/g
-    mixed = w.rebuild(w.lerp(x, sh, w.add(mm, maa), stacked=5))  # one (5, B, T, C) lerp
+    weight = w.add(mm, maa)
+    if weight.rg or x.rg:                                # the lerp weights: rebuilt
+        w.rebuild(weight)
+    mixed = w.rebuild(w.lerp(x, sh, weight, stacked=5))  # one (5, B, T, C) lerp
     xw, xk, xv, xr, xg = mixed.split(5)                  # unbind: views of one storage
     r = w.matmul(xr, P(C * A, matrix=True), C, A, lora="att.receptance")
     k = w.matmul(xk, P(C * A, matrix=True), C, A, lora="att.key")
     v = w.matmul(xv, P(C * A, matrix=True), C, A, lora="att.value")
     g = w.silu(w.matmul(xg, P(C * A, matrix=True), C, A, lora="att.gate"))
+    if g.rg:                                             # the gate: rebuilt
+        w.rebuild(g)
     d1 = w.matmul(xw, P(C * TIME_DECAY_EXTRA_DIM), C, TIME_DECAY_EXTRA_DIM)
     d2 = w.matmul(w.unary_saves_result(d1), P(TIME_DECAY_EXTRA_DIM * A),
                   TIME_DECAY_EXTRA_DIM, A)
@@ -298,8 +303,10 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
         w.save(r, k, v, decay)
     y = w.new(na, "fp32", wkv_rg)
     yn = w.norm_layer("group_norm", y, (na // A) * H)  # mean/rstd per (row, head)
-    out = w.matmul(w.mul(w.glue(yn), g), P(A * C, matrix=True), A, C,  # y.to(g.dtype) * g
-                   lora="att.output")
+    gated = w.mul(w.glue(yn), g)                         # y.to(g.dtype) * g
+    if gated.rg and g.rebuilt:                           # rebuilt from the rebuilt gate
+        w.rebuild(gated)
+    out = w.matmul(gated, P(A * C, matrix=True), A, C, lora="att.output")
     b = _SIZES
     # backward working set: the stacked lerp's output gradient (the five matmul input
     # gradients stacked by unbind's backward), its weight gradient and one (5,B,T,C)
