@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
 from rwkv_clip.errors import MeasurementError
+from rwkv_clip.layers import recompute
 from rwkv_clip.memory import (
     activation_segments,
     estimate,
@@ -23,7 +24,6 @@ from rwkv_clip.memory import (
 )
 from rwkv_clip.memory.cli import run as run_planner
 from rwkv_clip.memory.measure import MeasureSpec
-from rwkv_clip.layers import recompute
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,14 @@ from typing import Any
 import torch
 
 
+def _address(t: torch.Tensor) -> int | None:
+    """The address of t's storage; None for tensors without data (fake, functional)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _under_current_autocast(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """``fn`` run under the autocast the forward had (the backward runs outside it)."""
     on = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
@@ -78,7 +86,7 @@ class RecomputedSaves:
     def __init__(self) -> None:
         # by storage address: the registered tensor (while it lives, no other storage can
         # take its address), its dtype and rebuild
-        self._by_storage: dict[int, tuple[weakref.ref, torch.dtype, _Rebuild]] = {}
+        self._by_storage: dict[int | None, tuple[weakref.ref, torch.dtype, _Rebuild]] = {}
         self._hooks: Any = None
 
     @property
@@ -91,24 +99,24 @@ class RecomputedSaves:
         is saved as usual); ``recompute()`` gives it again, same shape. Returns a function
         giving the result in the backward (for other rebuilds made from it: one rebuild
         serves all), or None where nothing was registered."""
-        storage = result.untyped_storage()
-        owns = (result.is_contiguous() and result.storage_offset() == 0
-                and result.numel() * result.element_size() == storage.nbytes())
+        address = _address(result)
+        owns = (address is not None and result.is_contiguous() and result.storage_offset() == 0
+                and result.numel() * result.element_size() == result.untyped_storage().nbytes())
         if self.active and owns:
             rebuild = _Rebuild(_under_current_autocast(recompute))
-            self._by_storage[storage.data_ptr()] = (weakref.ref(result), result.dtype, rebuild)
+            self._by_storage[address] = (weakref.ref(result), result.dtype, rebuild)
             return rebuild.full
         return None
 
     def rebuilt(self, t: torch.Tensor) -> Callable[[], torch.Tensor] | None:
         """The function :meth:`add` returned for ``t``'s storage, if registered."""
-        entry = self._by_storage.get(t.untyped_storage().data_ptr())
+        entry = self._by_storage.get(_address(t))
         return entry[2].full if entry is not None and entry[0]() is not None else None
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.layout != torch.strided:
             return t
-        entry = self._by_storage.get(t.untyped_storage().data_ptr())
+        entry = self._by_storage.get(_address(t))
         if entry is None or entry[0]() is None or t.dtype != entry[1]:
             return t
         return _SavedView(entry[2], t)
@@ -119,7 +127,7 @@ class RecomputedSaves:
 
     def __enter__(self) -> RecomputedSaves:
         if (torch.is_grad_enabled() and not torch.jit.is_tracing()
-                and not torch.compiler.is_compiling()
+                and not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
                 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
