@@ -25,6 +25,7 @@ def _kept_everything():
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
 def test_gradients_bit_identical_to_keeping_everything(amp, monkeypatch):
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")  # the tiny batch is below auto's size
     model = tiny_model()
     images, tokens = synthetic_batch(load_model_configs(TINY_CONFIG), 3, "cpu")
     views = []
@@ -45,13 +46,14 @@ def test_gradients_bit_identical_to_keeping_everything(amp, monkeypatch):
         assert torch.equal(rebuilt[name], kept[name]), name
 
 
-def test_inactive_without_grad_and_under_checkpointing():
+def test_inactive_without_grad_and_under_checkpointing(monkeypatch):
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
     x = torch.randn(4, requires_grad=True)
-    with torch.no_grad(), recompute.RecomputedSaves() as saves:
+    with torch.no_grad(), recompute.RecomputedSaves(x) as saves:
         assert not saves.active
-    with _kept_everything(), recompute.RecomputedSaves() as saves:
+    with _kept_everything(), recompute.RecomputedSaves(x) as saves:
         assert not saves.active
-    with recompute.RecomputedSaves() as saves:
+    with recompute.RecomputedSaves(x) as saves:
         assert saves.active
         y = x * 2
         saves.add(y, lambda: x.detach() * 2)
@@ -60,16 +62,17 @@ def test_inactive_without_grad_and_under_checkpointing():
     assert torch.equal(x.grad, 8 * x.detach())
 
 
-def test_one_rebuild_serves_every_saved_view():
+def test_one_rebuild_serves_every_saved_view(monkeypatch):
     """``y * y`` saves y twice: both are views of the rebuild, made once, by the backward
     and not before."""
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
     x = torch.randn(1000, requires_grad=True)
     calls = []
 
     def again():
         calls.append(1)
         return torch.sin(x.detach())
-    with recompute.RecomputedSaves() as saves:
+    with recompute.RecomputedSaves(x) as saves:
         y = torch.sin(x)
         saves.add(y, again)
         z = (y * y).sum()
@@ -79,3 +82,22 @@ def test_one_rebuild_serves_every_saved_view():
     assert calls == [1]
     assert torch.equal(x.grad, 2 * torch.sin(x.detach()) * torch.cos(x.detach()))
 
+
+
+def test_policy_by_size_and_its_switch(monkeypatch):
+    """auto: from REBUILD_MIN_ELEMENTS on; always / never; anything else one error naming
+    the variable and the choices."""
+    from rwkv_clip.errors import ConfigError
+    big = recompute.REBUILD_MIN_ELEMENTS
+    monkeypatch.delenv("RWKV_CLIP_REBUILD", raising=False)
+    assert recompute.rebuilds(big) and not recompute.rebuilds(big - 1)
+    x = torch.randn(4, requires_grad=True)
+    with recompute.RecomputedSaves(x) as saves:
+        assert not saves.active
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
+    assert not recompute.rebuilds(10 * big)
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
+    assert recompute.rebuilds(1)
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "sometimes")
+    with pytest.raises(ConfigError, match="RWKV_CLIP_REBUILD='sometimes': expected one of auto, always, never"):
+        recompute.rebuilds(1)

@@ -21,7 +21,7 @@ def channel_mix(start: torch.Tensor, end: torch.Tensor, mix: torch.Tensor, key: 
                 key_norm: nn.Module | None = None) -> torch.Tensor:
     """``(xk, xr) = lerp(start, end, mix)`` for the stacked (2, 1, 1, C) ``mix``; then
     ``sigmoid(receptance(xr)) * value(key_norm(relu(key(xk))^2))``."""
-    with RecomputedSaves() as saves:
+    with RecomputedSaves(start) as saves:
         xk, xr = lerp_split(start, end, mix)
         if saves.active and xk.requires_grad and xk._base is not None:
             saves.add(xk._base, lambda: torch.lerp(start, end, mix))

@@ -15,6 +15,24 @@ from typing import Any
 
 import torch
 
+from ..cpu_gemm import env_choice
+from ..errors import ConfigError
+
+REBUILD_ENV = "RWKV_CLIP_REBUILD"
+REBUILD_CHOICES = ("auto", "always", "never")
+# auto: blocks whose input has at least this many elements (batch x tokens x channels)
+# rebuild; below it the saved bytes are small and the recomputation's share of the step is
+# not (the small default model trains about 10% slower rebuilding).
+REBUILD_MIN_ELEMENTS = 1 << 20
+
+
+def rebuilds(numel: int) -> bool:
+    """Whether a block whose input has ``numel`` elements rebuilds its cheap results in the
+    backward: ``RWKV_CLIP_REBUILD`` = ``auto`` (default: from :data:`REBUILD_MIN_ELEMENTS`
+    on), ``always`` or ``never``."""
+    choice = env_choice(REBUILD_ENV, REBUILD_CHOICES, ConfigError)
+    return choice == "always" or (choice == "auto" and numel >= REBUILD_MIN_ELEMENTS)
+
 
 def _address(t: torch.Tensor) -> int | None:
     """The address of t's storage; None for tensors without data (fake, functional)."""
@@ -74,16 +92,18 @@ class _SavedView:
 
 
 class RecomputedSaves:
-    """``with RecomputedSaves() as saves: ...; saves.add(result, recompute)``: tensors
+    """``with RecomputedSaves(x) as saves: ...; saves.add(result, recompute)``: tensors
     saved inside the block that view ``result``'s storage are rebuilt by ``recompute()``
     in the backward. ``recompute`` must give ``result`` bit for bit from tensors the graph
     keeps anyway (it is held until the backward).
 
-    Inactive (everything saved as usual) without grad, while tracing or compiling, and
-    under someone else's saved-tensor hooks (activation checkpointing, offloading), which
-    keep their own policy."""
+    Inactive (everything saved as usual) where :func:`rebuilds` says no for the block's
+    input ``x``, without grad, while tracing, compiling or exporting, and under someone
+    else's saved-tensor hooks (activation checkpointing, offloading), which keep their own
+    policy."""
 
-    def __init__(self) -> None:
+    def __init__(self, x: torch.Tensor) -> None:
+        self._wanted = rebuilds(x.numel())
         # by storage address: the registered tensor (while it lives, no other storage can
         # take its address), its dtype and rebuild
         self._by_storage: dict[int | None, tuple[weakref.ref, torch.dtype, _Rebuild]] = {}
@@ -126,7 +146,7 @@ class RecomputedSaves:
         return saved.unpack() if isinstance(saved, _SavedView) else saved
 
     def __enter__(self) -> RecomputedSaves:
-        if (torch.is_grad_enabled() and not torch.jit.is_tracing()
+        if (self._wanted and torch.is_grad_enabled() and not torch.jit.is_tracing()
                 and not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
                 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

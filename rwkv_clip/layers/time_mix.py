@@ -150,7 +150,7 @@ class TimeMixBase(nn.Module):
         return self.output(gated)
 
     def mix(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
-        with RecomputedSaves() as saves:
+        with RecomputedSaves(x) as saves:
             r, k, v, g, w = self.projections(x, saves, **shift_kwargs)
             y = wkv6_bidirectional(r, k, v, w, self.time_faaaa, backend=self.wkv_backend)
             key_norm: nn.Module | None = getattr(self, "key_norm", None)

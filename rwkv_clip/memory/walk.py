@@ -13,6 +13,7 @@ import torch
 
 from ..config import ModelArgs
 from ..errors import ConfigError
+from ..layers.recompute import rebuilds
 from ..layers.time_mix import TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM
 from .params import _SIZES, ParamTable
 
@@ -86,6 +87,7 @@ class Walker:
         self.amp, self.device = amp, device
         self.saved: dict[int, Sym] = {}
         self._rebuilt = 0
+        self.rebuilding = False  # set per block (rwkv_clip.layers.recompute.rebuilds)
         self.weight_cast_bytes = 0  # low-precision copies of weights (autocast cache)
         self._casts_taken = 0
         # fine-tuning (rwkv_clip.memory.finetune): whether the parameters being walked
@@ -114,9 +116,11 @@ class Walker:
                 self.saved[id(t)] = t
 
     def rebuild(self, t: Sym) -> Sym:
-        """Mark ``t``'s storage as rebuilt by the backward (``RecomputedSaves``): saving it
-        (or a view) keeps nothing, unless checkpointing's own hooks are active."""
-        (t.base or t).rebuilt = True
+        """Mark ``t``'s storage as rebuilt by the backward (``RecomputedSaves``) where the
+        block being walked rebuilds (:attr:`rebuilding`): saving it (or a view) keeps
+        nothing, unless checkpointing's own hooks are active."""
+        if self.rebuilding:
+            (t.base or t).rebuilt = True
         return t
 
     def take_saved(self) -> int:
@@ -304,7 +308,7 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     y = w.new(na, "fp32", wkv_rg)
     yn = w.norm_layer("group_norm", y, (na // A) * H)  # mean/rstd per (row, head)
     gated = w.mul(w.glue(yn), g)                         # y.to(g.dtype) * g
-    if gated.rg and g.rebuilt:                           # rebuilt from the rebuilt gate
+    if gated.rg and (g.base or g).rebuilt:                           # rebuilt from the rebuilt gate
         w.rebuild(gated)
     out = w.matmul(gated, P(A * C, matrix=True), A, C, lora="att.output")
     b = _SIZES
@@ -354,6 +358,7 @@ def _block(w: Walker, x: Sym, C: int, A: int, H: int, Fh: int, first: bool, imag
            decay_dtype: str, amp_grad: str) -> tuple[Sym, int, int]:
     rows = x.n // C
     inf0 = x.n * _SIZES[x.dtype]
+    w.rebuilding = rebuilds(x.n)
     if first:
         x = w.norm_layer("layer_norm", x, rows)           # ln0
     a = w.norm_layer("layer_norm", x, rows)               # ln1
