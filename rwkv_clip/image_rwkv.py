@@ -107,12 +107,14 @@ class VRWKV_ChannelMix_V6(nn.Module):
 
     def mix(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
         x = x.to(glue_dtype(x))  # under autocast: the dtype key/receptance cast to anyway
-        shifted = q_shift_multihead(x, self.shift_pixel, self.head_size, patch_resolution,
-                               self.with_cls_token)
+        def shift(t: torch.Tensor) -> torch.Tensor:
+            return q_shift_multihead(t, self.shift_pixel, self.head_size, patch_resolution,
+                                     self.with_cls_token)
         # Note the convention: spatial_mix_* weights x itself (the text tower's time_maa_k
         # weights the shifted neighbour instead): x * m + shifted * (1 - m), both in one lerp.
         mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(x.dtype)
-        return channel_mix(shifted, x, mix, self.key, self.receptance, self.value, self.key_norm)
+        return channel_mix(x, shift, mix, self.key, self.receptance, self.value, self.key_norm,
+                           shifted_first=True)
 
     def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
         return self.mix(x, patch_resolution)

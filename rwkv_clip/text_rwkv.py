@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -81,9 +82,10 @@ class RWKV_CMix_V6(nn.Module):
         # Opposite convention to the image tower: time_maa_* weights the neighbour,
         # x + (shift(x) - x) * m, both in one lerp (in the autocast dtype under autocast).
         x = x.to(glue_dtype(x))
-        shifted = bidirectional_shift_multihead(x, 1, self.args.head_size)
         mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(x.dtype)
-        return channel_mix(x, shifted, mix, self.key, self.receptance, self.value)
+        return channel_mix(x, functools.partial(bidirectional_shift_multihead, shift_pixel=1,
+                                                head_dim=self.args.head_size),
+                           mix, self.key, self.receptance, self.value)
 
 
 class Block(nn.Module):

@@ -105,13 +105,16 @@ class TimeMixBase(nn.Module):
         (:func:`.lerp.lerp`), the five data-dependent ones as one (5, B, T, C) lerp. Under
         autocast the glue runs in the autocast dtype (see :func:`glue_dtype`); the decay
         logits w keep the original promotion (``time_decay`` + LoRA: float32 in the image
-        tower, bf16 in the text). Within ``saves``, the lerp weights, the five mixes and
-        the gate are rebuilt by the backward rather than kept.
+        tower, bf16 in the text). Within ``saves``, the shifted tokens, the lerp weights, the
+        five mixes, the gate and the decay logits are rebuilt by the backward, not kept.
         """
         B, T, C = x.shape
         dtype = glue_dtype(x)
         x = x.to(dtype)
         shifted = self.shift(x, **shift_kwargs)
+        shifted_again = None  # registered before the lerps save it
+        if saves is not None and x.requires_grad:
+            shifted_again = saves.add(shifted, functools.partial(self.shift, x, **shift_kwargs))
         mix_input = lerp(x, shifted, self.time_maa_x.to(dtype))
         mix_input = torch.tanh(matmul(mix_input, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
@@ -125,16 +128,23 @@ class TimeMixBase(nn.Module):
         if saves is not None and (weight.requires_grad or x.requires_grad):
             weight_again = saves.add(weight, lerp_weights)
         xw, xk, xv, xr, xg = lerp_split(x, shifted, weight)
-        if saves is not None and weight_again is not None and xw._base is not None:
-            saves.add(xw._base, lambda: torch.lerp(x, shifted, weight_again()))
+        if (saves is not None and weight_again is not None and shifted_again is not None
+                and xw._base is not None):
+            saves.add(xw._base, lambda: torch.lerp(x, shifted_again(), weight_again()))
         del weight  # kept by the lerp's backward, if at all
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
         gate = self.gate(xg)
         g = F.silu(gate)
         if saves is not None and g.requires_grad:
             saves.add(g, functools.partial(F.silu, gate))
-        w = self.time_decay + matmul(torch.tanh(matmul(xw, self.time_decay_w1)),
-                                     self.time_decay_w2)
+        decay_lora = torch.tanh(matmul(xw, self.time_decay_w1))
+
+        def decay() -> torch.Tensor:  # from what the LoRA's second product keeps
+            return self.time_decay + matmul(decay_lora, self.time_decay_w2)
+
+        w = decay()
+        if saves is not None and w.requires_grad:
+            saves.add(w, decay)
         return r, k, v, g, w
 
     def output_projection(self, y: torch.Tensor, g: torch.Tensor,

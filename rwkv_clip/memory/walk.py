@@ -281,6 +281,8 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     P = lambda numel, dt="fp32", matrix=False: w.param(numel, dt, matrix)
     x = w.glue(a)                                        # the glue's dtype (autocast's)
     sh = w.new(n, x.dtype, x.rg)                         # token shift: one copy
+    if x.rg:                                             # the shifted tokens: rebuilt
+        w.rebuild(sh)
     mix_input = w.lerp(x, sh, w.glue(P(C)))              # lerp(x, shift(x), time_maa_x)
     m1 = w.matmul(mix_input, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
     t1 = w.unary_saves_result(m1)                        # tanh
@@ -289,7 +291,9 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     weight = w.add(mm, maa)
     if weight.rg or x.rg:                                # the lerp weights: rebuilt
         w.rebuild(weight)
-    mixed = w.rebuild(w.lerp(x, sh, weight, stacked=5))  # one (5, B, T, C) lerp
+    mixed = w.lerp(x, sh, weight, stacked=5)             # one (5, B, T, C) lerp
+    if weight.rebuilt and sh.rebuilt:                    # the five mixes: rebuilt
+        w.rebuild(mixed)
     xw, xk, xv, xr, xg = mixed.split(5)                  # unbind: views of one storage
     r = w.matmul(xr, P(C * A, matrix=True), C, A, lora="att.receptance")
     k = w.matmul(xk, P(C * A, matrix=True), C, A, lora="att.key")
@@ -301,6 +305,8 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     d2 = w.matmul(w.unary_saves_result(d1), P(TIME_DECAY_EXTRA_DIM * A),
                   TIME_DECAY_EXTRA_DIM, A)
     decay = w.add(P(A, decay_dtype), d2)
+    if decay.rg:                                         # the decay logits: rebuilt
+        w.rebuild(decay)
     # WKV: the native kernels save r, k, v, w as given (bf16/fp16/fp32 read directly)
     wkv_rg = r.rg or k.rg or v.rg or decay.rg
     if wkv_rg:
@@ -334,8 +340,13 @@ def _channel_mix(w: Walker, bx: Sym, C: int, Fh: int, image: bool) -> tuple[Sym,
     P = lambda numel: w.param(numel, matrix=True)
     x = w.glue(bx)
     sh = w.new(n, x.dtype, x.rg)
+    if x.rg:                                           # the shifted tokens: rebuilt
+        w.rebuild(sh)
     mix = w.glue(w.param(2 * C))                       # cat of the two mix parameters
-    xk, xr = w.rebuild(w.lerp(sh, x, mix, 2) if image else w.lerp(x, sh, mix, 2)).split(2)
+    mixed = w.lerp(sh, x, mix, 2) if image else w.lerp(x, sh, mix, 2)
+    if sh.rebuilt and mixed.rg:                        # the two mixes: rebuilt
+        w.rebuild(mixed)
+    xk, xr = mixed.split(2)
     kk = w.unary_saves_result(w.matmul(xk, P(C * Fh), C, Fh, lora="ffn.key"))   # relu
     k2 = w.pow2(kk)
     if w.device == "cpu" or w.amp is None:  # relu_square's own Function: k2 rebuilt
