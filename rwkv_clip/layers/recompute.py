@@ -34,6 +34,11 @@ def rebuilds(numel: int) -> bool:
     return choice == "always" or (choice == "auto" and numel >= REBUILD_MIN_ELEMENTS)
 
 
+def _traced() -> bool:
+    return (torch.jit.is_tracing() or torch.compiler.is_compiling()
+            or torch.compiler.is_exporting())
+
+
 def _address(t: torch.Tensor) -> int | None:
     """The address of t's storage; None for tensors without data (fake, functional)."""
     try:
@@ -103,7 +108,8 @@ class RecomputedSaves:
     policy."""
 
     def __init__(self, x: torch.Tensor) -> None:
-        self._wanted = rebuilds(x.numel())
+        # decided before x's size is read: traced sizes may be symbolic (a dynamic batch)
+        self._wanted = not _traced() and rebuilds(x.numel())
         # by storage address: the registered tensor (while it lives, no other storage can
         # take its address), its dtype and rebuild
         self._by_storage: dict[int | None, tuple[weakref.ref, torch.dtype, _Rebuild]] = {}
@@ -119,10 +125,12 @@ class RecomputedSaves:
         is saved as usual); ``recompute()`` gives it again, same shape. Returns a function
         giving the result in the backward (for other rebuilds made from it: one rebuild
         serves all), or None where nothing was registered."""
+        if not self.active:
+            return None
         address = _address(result)
         owns = (address is not None and result.is_contiguous() and result.storage_offset() == 0
                 and result.numel() * result.element_size() == result.untyped_storage().nbytes())
-        if self.active and owns:
+        if owns:
             rebuild = _Rebuild(_under_current_autocast(recompute))
             self._by_storage[address] = (weakref.ref(result), result.dtype, rebuild)
             return rebuild.full
@@ -130,6 +138,8 @@ class RecomputedSaves:
 
     def rebuilt(self, t: torch.Tensor) -> Callable[[], torch.Tensor] | None:
         """The function :meth:`add` returned for ``t``'s storage, if registered."""
+        if not self.active:
+            return None
         entry = self._by_storage.get(_address(t))
         return entry[2].full if entry is not None and entry[0]() is not None else None
 
@@ -146,8 +156,7 @@ class RecomputedSaves:
         return saved.unpack() if isinstance(saved, _SavedView) else saved
 
     def __enter__(self) -> RecomputedSaves:
-        if (self._wanted and torch.is_grad_enabled() and not torch.jit.is_tracing()
-                and not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+        if (self._wanted and torch.is_grad_enabled() and not _traced()
                 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
