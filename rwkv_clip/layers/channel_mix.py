@@ -8,13 +8,12 @@ rebuilds (:mod:`.recompute`), the backward makes those again from tensors it kee
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from .lerp import lerp_split
+from .lerp import shifted_tokens, token_mixes
 from .recompute import RecomputedSaves
 from .relu_square import rebuild_relu_square, relu_square
 
@@ -26,16 +25,8 @@ def channel_mix(x: torch.Tensor, shift: Callable[[torch.Tensor], torch.Tensor],
     ``shifted_first``, the image tower's convention) for the stacked (2, 1, 1, C) ``mix``;
     then ``sigmoid(receptance(xr)) * value(key_norm(relu(key(xk))^2))``."""
     with RecomputedSaves(x) as saves:
-        shifted = shift(x)
-        shifted_again = None  # registered before the lerp saves it
-        if saves.active and x.requires_grad:
-            shifted_again = saves.add(shifted, functools.partial(shift, x))
-        xk, xr = lerp_split(shifted, x, mix) if shifted_first else lerp_split(x, shifted, mix)
-        if shifted_again is not None and xk.requires_grad and xk._base is not None:
-            def mixes() -> torch.Tensor:
-                again = shifted_again()
-                return torch.lerp(again, x, mix) if shifted_first else torch.lerp(x, again, mix)
-            saves.add(xk._base, mixes)
+        shifted, shifted_again = shifted_tokens(x, shift, saves)
+        xk, xr = token_mixes(x, shifted, mix, saves, shifted_again, lambda: mix, shifted_first)
         k = relu_square(key(xk), inplace=True)
         if key_norm is not None:
             k = key_norm(k)

@@ -6,9 +6,14 @@ stacked lerp as its slices) keep the forward and save less work in the backward.
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .recompute import RecomputedSaves
 
 _WIDE = (torch.float32, torch.float64)
 
@@ -121,3 +126,36 @@ def lerp_split(start: torch.Tensor, end: torch.Tensor,
     if not torch.is_grad_enabled() or torch.jit.is_tracing():
         return torch.lerp(start, end, weight).unbind(0)
     return _LerpSplit.apply(start, end, weight)
+
+
+def shifted_tokens(x: torch.Tensor, shift: Callable[[torch.Tensor], torch.Tensor],
+                   saves: RecomputedSaves | None
+                   ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
+    """``shift(x)``, and within ``saves`` (x needing grad) the function that gives it again
+    in the backward, registered before the lerps save it; else None."""
+    shifted = shift(x)
+    again = None
+    if saves is not None and x.requires_grad:
+        again = saves.add(shifted, functools.partial(shift, x))
+    return shifted, again
+
+
+def token_mixes(x: torch.Tensor, shifted: torch.Tensor, weight: torch.Tensor,
+                saves: RecomputedSaves | None = None,
+                shifted_again: Callable[[], torch.Tensor] | None = None,
+                weight_again: Callable[[], torch.Tensor] | None = None,
+                shifted_first: bool = False) -> tuple[torch.Tensor, ...]:
+    """The stacked mixes ``lerp_split(x, shifted, weight)`` (``lerp_split(shifted, x,
+    weight)`` with ``shifted_first``). Within ``saves``, where the shifted tokens and the
+    weight can be had again, the backward rebuilds the mixes from them instead of keeping
+    them."""
+    mixes = lerp_split(shifted, x, weight) if shifted_first else lerp_split(x, shifted, weight)
+    base = mixes[0]._base
+    if (saves is not None and shifted_again is not None and weight_again is not None
+            and base is not None and mixes[0].requires_grad):
+        def rebuild() -> torch.Tensor:
+            again = shifted_again()
+            return (torch.lerp(again, x, weight_again()) if shifted_first
+                    else torch.lerp(x, again, weight_again()))
+        saves.add(base, rebuild)
+    return mixes

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..ops import wkv6_bidirectional
 from .head_norm import head_group_norm
-from .lerp import lerp, lerp_split
+from .lerp import lerp, shifted_tokens, token_mixes
 from .linear import Linear, matmul
 from .recompute import RecomputedSaves
 
@@ -111,10 +111,8 @@ class TimeMixBase(nn.Module):
         B, T, C = x.shape
         dtype = glue_dtype(x)
         x = x.to(dtype)
-        shifted = self.shift(x, **shift_kwargs)
-        shifted_again = None  # registered before the lerps save it
-        if saves is not None and x.requires_grad:
-            shifted_again = saves.add(shifted, functools.partial(self.shift, x, **shift_kwargs))
+        shifted, shifted_again = shifted_tokens(
+            x, functools.partial(self.shift, **shift_kwargs), saves)
         mix_input = lerp(x, shifted, self.time_maa_x.to(dtype))
         mix_input = torch.tanh(matmul(mix_input, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
@@ -127,10 +125,7 @@ class TimeMixBase(nn.Module):
         weight_again = None  # registered before the lerp saves it
         if saves is not None and (weight.requires_grad or x.requires_grad):
             weight_again = saves.add(weight, lerp_weights)
-        xw, xk, xv, xr, xg = lerp_split(x, shifted, weight)
-        if (saves is not None and weight_again is not None and shifted_again is not None
-                and xw._base is not None):
-            saves.add(xw._base, lambda: torch.lerp(x, shifted_again(), weight_again()))
+        xw, xk, xv, xr, xg = token_mixes(x, shifted, weight, saves, shifted_again, weight_again)
         del weight  # kept by the lerp's backward, if at all
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
         gate = self.gate(xg)
