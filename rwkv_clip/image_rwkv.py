@@ -5,7 +5,8 @@ random numbers as the original.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -78,8 +79,9 @@ class VRWKV_SpatialMix_V6(TimeMixBase):
         return q_shift_multihead(x, self.shift_pixel, self.head_size, patch_resolution,
                                  self.with_cls_token)
 
-    def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
-        return self.mix(x, patch_resolution=patch_resolution)
+    def forward(self, x: torch.Tensor, patch_resolution=None,
+                input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        return self.mix(x, input_again, patch_resolution=patch_resolution)
 
 
 class VRWKV_ChannelMix_V6(nn.Module):
@@ -105,19 +107,21 @@ class VRWKV_ChannelMix_V6(nn.Module):
         self.receptance = Linear(n_embd, n_embd, bias=False)
         self.value = Linear(hidden_sz, n_embd, bias=False)
 
-    def mix(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
-        x = x.to(glue_dtype(x))  # under autocast: the dtype key/receptance cast to anyway
+    def mix(self, x: torch.Tensor, patch_resolution=None,
+            input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         def shift(t: torch.Tensor) -> torch.Tensor:
             return q_shift_multihead(t, self.shift_pixel, self.head_size, patch_resolution,
                                      self.with_cls_token)
         # Note the convention: spatial_mix_* weights x itself (the text tower's time_maa_k
         # weights the shifted neighbour instead): x * m + shifted * (1 - m), both in one lerp.
-        mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(x.dtype)
+        # (under autocast the glue dtype: the one key/receptance cast to anyway)
+        mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(glue_dtype(x))
         return channel_mix(x, shift, mix, self.key, self.receptance, self.value, self.key_norm,
-                           shifted_first=True)
+                           shifted_first=True, input_again=input_again)
 
-    def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
-        return self.mix(x, patch_resolution)
+    def forward(self, x: torch.Tensor, patch_resolution=None,
+                input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        return self.mix(x, patch_resolution, input_again)
 
 
 class Block_V6(nn.Module):
@@ -157,7 +161,8 @@ class Block_V6(nn.Module):
         if self.post_norm:
             out = norm(branch(x, patch_resolution))
         else:
-            out = branch(norm(x), patch_resolution)
+            # the branch may rebuild its input in the backward from x, which norm keeps
+            out = branch(norm(x), patch_resolution, functools.partial(norm, x))
         return x + self.drop_path(out if gamma is None else gamma * out)
 
     def _inner_forward(self, x: torch.Tensor, patch_resolution) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,8 +60,9 @@ class RWKV_Tmix_V6(TimeMixBase):
     def shift(self, x: torch.Tensor, **shift_kwargs: Any) -> torch.Tensor:
         return bidirectional_shift_multihead(x, 1, self.head_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mix(x)
+    def forward(self, x: torch.Tensor,
+                input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        return self.mix(x, input_again)
 
 
 class RWKV_CMix_V6(nn.Module):
@@ -78,14 +80,14 @@ class RWKV_CMix_V6(nn.Module):
         self.receptance = Linear(args.n_embd, args.n_embd, bias=False)
         self.value = Linear(args.dim_ffn, args.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         # Opposite convention to the image tower: time_maa_* weights the neighbour,
         # x + (shift(x) - x) * m, both in one lerp (in the autocast dtype under autocast).
-        x = x.to(glue_dtype(x))
-        mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(x.dtype)
+        mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(glue_dtype(x))
         return channel_mix(x, functools.partial(bidirectional_shift_multihead, shift_pixel=1,
                                                 head_dim=self.args.head_size),
-                           mix, self.key, self.receptance, self.value)
+                           mix, self.key, self.receptance, self.value, input_again=input_again)
 
 
 class Block(nn.Module):
@@ -130,8 +132,9 @@ class Block(nn.Module):
             x = self.ln0(x)
             if self.args.pos_emb > 0:
                 x = x + (self.pos_emb_x + self.pos_emb_y).reshape(T + 1, -1)[:-1, :]
-        x = self.drop0(x + self.att(self.ln1(x)))
-        x = self.drop1(x + self.ffn(self.ln2(x)))
+        # each branch may rebuild its input in the backward from x, which the norm keeps
+        x = self.drop0(x + self.att(self.ln1(x), functools.partial(self.ln1, x)))
+        x = self.drop1(x + self.ffn(self.ln2(x), functools.partial(self.ln2, x)))
         if self.has_tiny_att:
             assert x_emb is not None, "tiny attention reads the token embeddings"
             x = self._tiny_attention(x, x_emb)

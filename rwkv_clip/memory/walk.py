@@ -280,10 +280,14 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     na = n // C * A
     P = lambda numel, dt="fp32", matrix=False: w.param(numel, dt, matrix)
     x = w.glue(a)                                        # the glue's dtype (autocast's)
+    if x.rg:                                             # rebuilt from the block's norm
+        w.rebuild(x)
     sh = w.new(n, x.dtype, x.rg)                         # token shift: one copy
     if x.rg:                                             # the shifted tokens: rebuilt
         w.rebuild(sh)
     mix_input = w.lerp(x, sh, w.glue(P(C)))              # lerp(x, shift(x), time_maa_x)
+    if sh.rebuilt and mix_input.rg:                      # rebuilt from the rebuilt shift
+        w.rebuild(mix_input)
     m1 = w.matmul(mix_input, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
     t1 = w.unary_saves_result(m1)                        # tanh
     mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm: (5,B,T,C)
@@ -313,7 +317,10 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
         w.save(r, k, v, decay)
     y = w.new(na, "fp32", wkv_rg)
     yn = w.norm_layer("group_norm", y, (na // A) * H)  # mean/rstd per (row, head)
-    gated = w.mul(w.glue(yn), g)                         # y.to(g.dtype) * g
+    yg = w.glue(yn)                                      # y.to(g.dtype)
+    if w.device == "cpu" and yg.rg:                      # the CPU head norm's: rebuilt
+        w.rebuild(yg)
+    gated = w.mul(yg, g)
     if gated.rg and (g.base or g).rebuilt:                           # rebuilt from the rebuilt gate
         w.rebuild(gated)
     out = w.matmul(gated, P(A * C, matrix=True), A, C, lora="att.output")
@@ -339,6 +346,8 @@ def _channel_mix(w: Walker, bx: Sym, C: int, Fh: int, image: bool) -> tuple[Sym,
     nf = n // C * Fh
     P = lambda numel: w.param(numel, matrix=True)
     x = w.glue(bx)
+    if x.rg:                                           # rebuilt from the block's norm
+        w.rebuild(x)
     sh = w.new(n, x.dtype, x.rg)
     if x.rg:                                           # the shifted tokens: rebuilt
         w.rebuild(sh)
