@@ -166,7 +166,8 @@ class TimeMixBase(nn.Module):
         B, T, C = y.shape
         normed = head_group_norm(y.view(B * T, C), self.ln_x).view(B, T, C)
         y = normed.to(g.dtype)  # under autocast: the dtype output casts to
-        if saves is not None and y.requires_grad and (y_again := rebuild_head_norm(normed)):
+        if (saves is not None and saves.active and y.requires_grad
+                and (y_again := rebuild_head_norm(normed))):
             dtype = g.dtype
             saves.add(y, lambda: y_again().view(B, T, C).to(dtype))
         gated = y * g
