@@ -164,54 +164,62 @@ inline void store8(float* p, vf8 x) { std::memcpy(p, &x, sizeof x); }
 // state held in registers: the state is cut into tiles of 4 key channels x 16 value
 // channels (eight vectors). Time runs in chunks of CHUNK steps; within a chunk each tile
 // runs through every step before the next tile, so a chunk's rows of r, k, v, d and y
-// (a few KB) stay in L1 while every tile passes over them, and a tile's state goes to
-// memory only between chunks. y is a contiguous (T, N) slab. The bonus term is added by
-// the caller.
+// stay in cache while every tile passes over them, and a tile's state goes to memory only
+// between chunks. Each direction is its own instantiation, walking the rows by pointer.
+// y is a contiguous (T, N) slab. The bonus term is added by the caller.
+template <int N, bool REVERSE>
+void forward_tiles_one_way(const float* r, const float* k, const float* v, const float* d,
+                           float* y, float* state, int64_t T) {
+    constexpr int64_t CHUNK = 256;
+    constexpr int64_t STEP = REVERSE ? -N : N;  // row stride in the scan's direction
+    std::fill(state, state + N * N, 0.0f);
+    for (int64_t c0 = 0; c0 < T; c0 += CHUNK) {
+        const int64_t len = std::min(T - c0, CHUNK);
+        const int64_t row = (REVERSE ? T - 1 - c0 : c0) * N;  // the chunk's first row
+        float* tile = state;  // 64 floats per tile, tiles in (i0, j0) order
+        for (int i0 = 0; i0 < N; i0 += 16) {
+            for (int j0 = 0; j0 < N; j0 += 4, tile += 64) {
+                vf8 s00 = load8(tile), s01 = load8(tile + 8), s10 = load8(tile + 16),
+                    s11 = load8(tile + 24), s20 = load8(tile + 32), s21 = load8(tile + 40),
+                    s30 = load8(tile + 48), s31 = load8(tile + 56);
+                const float* rt = r + row + j0;
+                const float* kt = k + row + j0;
+                const float* dt = d + row + j0;
+                const float* vt = v + row + i0;
+                float* yt = y + row + i0;
+                for (int64_t n = 0; n < len;
+                     ++n, rt += STEP, kt += STEP, dt += STEP, vt += STEP, yt += STEP) {
+                    const vf8 v0 = load8(vt), v1 = load8(vt + 8);
+                    // y uses the state before this step's update (A[t-1] / B[t+1])
+                    vf8 y0 = rt[0] * s00 + rt[1] * s10;
+                    vf8 y1 = rt[0] * s01 + rt[1] * s11;
+                    y0 += rt[2] * s20 + rt[3] * s30;
+                    y1 += rt[2] * s21 + rt[3] * s31;
+                    s00 = dt[0] * s00 + kt[0] * v0;
+                    s01 = dt[0] * s01 + kt[0] * v1;
+                    s10 = dt[1] * s10 + kt[1] * v0;
+                    s11 = dt[1] * s11 + kt[1] * v1;
+                    s20 = dt[2] * s20 + kt[2] * v0;
+                    s21 = dt[2] * s21 + kt[2] * v1;
+                    s30 = dt[3] * s30 + kt[3] * v0;
+                    s31 = dt[3] * s31 + kt[3] * v1;
+                    store8(yt, load8(yt) + y0);
+                    store8(yt + 8, load8(yt + 8) + y1);
+                }
+                store8(tile, s00); store8(tile + 8, s01); store8(tile + 16, s10);
+                store8(tile + 24, s11); store8(tile + 32, s20); store8(tile + 40, s21);
+                store8(tile + 48, s30); store8(tile + 56, s31);
+            }
+        }
+    }
+}
+
 template <int N>
 void forward_tiles(const float* r, const float* k, const float* v, const float* d, float* y,
                    float* state, int64_t T) {
     static_assert(N % 16 == 0, "tiles of 16 value channels");
-    constexpr int64_t CHUNK = 256;
-    for (int reverse = 0; reverse < 2; ++reverse) {
-        std::fill(state, state + N * N, 0.0f);
-        for (int64_t c0 = 0; c0 < T; c0 += CHUNK) {
-            const int64_t c1 = std::min(T, c0 + CHUNK);
-            float* tile = state;  // 64 floats per tile, tiles in (i0, j0) order
-            for (int i0 = 0; i0 < N; i0 += 16) {
-                for (int j0 = 0; j0 < N; j0 += 4, tile += 64) {
-                    vf8 s00 = load8(tile), s01 = load8(tile + 8), s10 = load8(tile + 16),
-                        s11 = load8(tile + 24), s20 = load8(tile + 32), s21 = load8(tile + 40),
-                        s30 = load8(tile + 48), s31 = load8(tile + 56);
-                    for (int64_t step = c0; step < c1; ++step) {
-                        const int64_t t = reverse ? T - 1 - step : step;
-                        const float* rt = r + t * N + j0;
-                        const float* kt = k + t * N + j0;
-                        const float* dt = d + t * N + j0;
-                        const vf8 v0 = load8(v + t * N + i0), v1 = load8(v + t * N + i0 + 8);
-                        // y uses the state before this step's update (A[t-1] / B[t+1])
-                        vf8 y0 = rt[0] * s00 + rt[1] * s10;
-                        vf8 y1 = rt[0] * s01 + rt[1] * s11;
-                        y0 += rt[2] * s20 + rt[3] * s30;
-                        y1 += rt[2] * s21 + rt[3] * s31;
-                        s00 = dt[0] * s00 + kt[0] * v0;
-                        s01 = dt[0] * s01 + kt[0] * v1;
-                        s10 = dt[1] * s10 + kt[1] * v0;
-                        s11 = dt[1] * s11 + kt[1] * v1;
-                        s20 = dt[2] * s20 + kt[2] * v0;
-                        s21 = dt[2] * s21 + kt[2] * v1;
-                        s30 = dt[3] * s30 + kt[3] * v0;
-                        s31 = dt[3] * s31 + kt[3] * v1;
-                        float* yt = y + t * N + i0;
-                        store8(yt, load8(yt) + y0);
-                        store8(yt + 8, load8(yt + 8) + y1);
-                    }
-                    store8(tile, s00); store8(tile + 8, s01); store8(tile + 16, s10);
-                    store8(tile + 24, s11); store8(tile + 32, s20); store8(tile + 40, s21);
-                    store8(tile + 48, s30); store8(tile + 56, s31);
-                }
-            }
-        }
-    }
+    forward_tiles_one_way<N, false>(r, k, v, d, y, state, T);
+    forward_tiles_one_way<N, true>(r, k, v, d, y, state, T);
 }
 
 // One direction of the forward pass, accumulated into y (T, N rows of the output), for

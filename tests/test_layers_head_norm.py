@@ -68,8 +68,11 @@ def test_fp32_input_under_cpu_autocast_is_normalised_in_fp32():
     assert ours.dtype == theirs.dtype == torch.float32
     assert type(ours.grad_fn.next_functions[0][0]).__name__.startswith("_HeadNorm")
     assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # GroupNorm itself
-        assert torch.equal(head_group_norm(x, norm), norm(x))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        # without grad: the same two ops, the same values as the forward that saves
+        inferred = head_group_norm(x, norm)
+        assert inferred.dtype == torch.float32 and torch.equal(inferred, ours)
+        assert torch.allclose(inferred, norm(x), rtol=1e-5, atol=1e-5)
     for a, b in zip(torch.autograd.grad(ours, (x, norm.weight, norm.bias), grad),
                     torch.autograd.grad(theirs, (x, norm.weight, norm.bias), grad), strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)

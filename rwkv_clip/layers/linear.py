@@ -28,8 +28,9 @@ def _upcast_dtype(t: torch.Tensor) -> torch.dtype | None:
 class _UpcastMatmul(torch.autograd.Function):
     """``a @ b (+ bias)`` of low-precision operands through the fp32 GEMM.
 
-    a: (..., M, K); b: (K, N), or (G, K, N) with a (G, M, K); bias: (N,) or None. The
-    output and every gradient have their operand's dtype (the low precision).
+    a: (..., M, K); b: (K, N), or (G, K, N) with a (G, M, K); bias: broadcasting to the
+    product, or None. The output and every gradient have their operand's dtype (the low
+    precision).
     """
 
     @staticmethod
@@ -37,6 +38,7 @@ class _UpcastMatmul(torch.autograd.Function):
                 bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(a, b)
         ctx.has_bias = bias is not None
+        ctx.bias_shape = None if bias is None else bias.shape
         with torch.autocast("cpu", enabled=False):
             out = torch.matmul(a.float(), b.float())
             if bias is not None:
@@ -58,19 +60,26 @@ class _UpcastMatmul(torch.autograd.Function):
                     gb = torch.matmul(a.float().mT, g)
                 grad_b = gb.to(b.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_bias = g.reshape(-1, g.shape[-1]).sum(0).to(a.dtype)
+                grad_bias = g.sum_to_size(ctx.bias_shape).to(a.dtype)
         return grad_a, grad_b, grad_bias
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (b 2-D, or batched as ``torch.bmm``). Under CPU bf16/fp16 autocast where
-    :func:`rwkv_clip.cpu_gemm.cpu_matmul_in_fp32` says so (once per dtype), the operands
-    are rounded as autocast would, multiplied by the fp32 GEMM and the result rounded back
-    (docs/differences.md)."""
+def matmul(a: torch.Tensor, b: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` (b 2-D, or batched as ``torch.bmm``), plus ``add`` (broadcasting to the
+    product) where given, in the GEMM's own pass (``addmm`` / ``baddbmm``). Under CPU
+    bf16/fp16 autocast where :func:`rwkv_clip.cpu_gemm.cpu_matmul_in_fp32` says so (once per
+    dtype), the operands are rounded as autocast would, multiplied by the fp32 GEMM and the
+    result rounded back (docs/differences.md)."""
     dtype = _upcast_dtype(a)
     if dtype is None:
-        return torch.matmul(a, b)
-    return _UpcastMatmul.apply(a.to(dtype), b.to(dtype), None)
+        if add is None:
+            return torch.matmul(a, b)
+        if a.dim() == 3 and b.dim() == 3:
+            return torch.baddbmm(add, a, b)
+        if a.dim() == 2 and b.dim() == 2:
+            return torch.addmm(add, a, b)
+        return torch.matmul(a, b) + add
+    return _UpcastMatmul.apply(a.to(dtype), b.to(dtype), None if add is None else add.to(dtype))
 
 
 # oneDNN pays off for wide products only: its per-call cost outweighs its speed on narrow

@@ -133,10 +133,10 @@ class TimeMixBase(nn.Module):
             rebuilt_lerp(mix_input, x, shifted_again, lambda: maa_x, saves)
         mix_input = torch.tanh(matmul(mix_input, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
-                         self.time_maa_g)).to(dtype).unsqueeze(1)  # (5, 1, 1, C)
+                         self.time_maa_g)).to(dtype)  # (5, 1, C)
 
         def lerp_weights() -> torch.Tensor:  # (5, B, T, C), from what the bmm keeps
-            return matmul(mix_input, self.time_maa_w2).view(5, B, T, C) + maa
+            return matmul(mix_input, self.time_maa_w2, add=maa).view(5, B, T, C)
 
         weight = lerp_weights()
         weight_again = None  # registered before the lerp saves it
