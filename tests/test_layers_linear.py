@@ -129,6 +129,32 @@ def test_batched_matmul_and_its_gradients(policy):
     assert torch.allclose(b.grad.float(), b32.grad, rtol=8e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("choice", ["fp32", "native"])
+def test_matmul_with_a_broadcast_addend_is_baddbmm(policy, choice):
+    """matmul(a, b, add): the addend (the lerp weights' time_maa_*, (G, 1, N)) in the
+    product's pass, its gradient summed to its shape; plain fp32 is torch.baddbmm itself."""
+    torch.manual_seed(3)
+    a = torch.randn(5, 30, 8, requires_grad=True)
+    b = torch.randn(5, 8, 40, requires_grad=True)
+    add = torch.randn(5, 1, 40, requires_grad=True)
+    g = torch.randn(5, 30, 40)
+    ours = matmul(a, b, add=add)
+    assert torch.equal(ours, torch.baddbmm(add, a, b))
+    policy(choice)
+    leaves = [t.detach().to(torch.bfloat16).requires_grad_() for t in (a, b, add)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = matmul(*leaves[:2], add=leaves[2])
+    out.backward(g.to(torch.bfloat16))
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref = torch.bmm(*ref_leaves[:2]) + ref_leaves[2]
+    ref.backward(g.to(torch.bfloat16).float())
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
+    for mine, theirs in zip(leaves, ref_leaves, strict=True):
+        assert mine.grad.dtype == torch.bfloat16 and mine.grad.shape == theirs.shape
+        assert torch.allclose(mine.grad.float(), theirs.grad, rtol=2e-2, atol=5e-2)
+
+
 def test_conv2d_matches_torch_within_rounding(policy):
     policy("fp32")
     torch.manual_seed(3)
