@@ -52,8 +52,8 @@ def head_group_norm(y: torch.Tensor, norm: nn.GroupNorm) -> torch.Tensor:
     the (rows, H, N) view, so on the CPU this is a layer norm plus the per-channel affine:
     same values up to float rounding, a faster backward than torch's GroupNorm, and the
     same saved tensors (the input and the per-(row, head) mean and 1/std). Without grad
-    the two ops alone: they also beat GroupNorm's forward on the CPU (about 2x at 50-3136
-    tokens x 640 channels; docs/performance.md). GPUs, low-precision inputs, TorchScript
+    the two ops alone, which also beat GroupNorm's forward on the CPU
+    (docs/differences.md). GPUs, low-precision inputs, TorchScript
     traces and ``torch.compile`` keep ``nn.GroupNorm`` (inductor fuses it on its own)."""
     if (y.device.type != "cpu" or y.dtype not in (torch.float32, torch.float64) or y.dim() != 2
             or not norm.affine or norm.weight.dtype != y.dtype

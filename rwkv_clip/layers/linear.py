@@ -37,7 +37,6 @@ class _UpcastMatmul(torch.autograd.Function):
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(a, b)
-        ctx.has_bias = bias is not None
         ctx.bias_shape = None if bias is None else bias.shape
         with torch.autocast("cpu", enabled=False):
             out = torch.matmul(a.float(), b.float())
@@ -59,7 +58,7 @@ class _UpcastMatmul(torch.autograd.Function):
                 else:
                     gb = torch.matmul(a.float().mT, g)
                 grad_b = gb.to(b.dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
+            if ctx.bias_shape is not None and ctx.needs_input_grad[2]:
                 grad_bias = g.sum_to_size(ctx.bias_shape).to(a.dtype)
         return grad_a, grad_b, grad_bias
 
