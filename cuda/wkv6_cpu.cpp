@@ -275,6 +275,9 @@ void add_bonus(const float* r, const float* k, const float* v, const float* u, f
     }
 }
 
+// Steps per chunk of the tiled backward (backward_tiles_one_way).
+constexpr int64_t BACK_CHUNK = 128;
+
 // Per-thread backward scratch.
 struct BackScratch {
     std::vector<float> X, Y;          // kv-built state and rg-built state (N x N)
@@ -282,13 +285,13 @@ struct BackScratch {
     std::vector<float> gw;            // final dw rows (T x N)
     std::vector<double> lam;          // log-decay adjoint partial sums (T x N)
     std::vector<double> run_a, run_b; // running per-channel sums (N)
-    std::vector<float> sx, sy;        // per-step row reductions (N)
+    std::vector<float> sx, sy;        // per-step row reductions (BACK_CHUNK x N)
     void resize(int64_t T, int64_t N) {  // grows only
         grow(X, N * N); grow(Y, N * N);
         grow(dr, T * N); grow(dk, T * N); grow(dv, T * N); grow(gw, T * N);
         grow(lam, T * N);
         grow(run_a, N); grow(run_b, N);
-        grow(sx, N); grow(sy, N);
+        grow(sx, BACK_CHUNK * N); grow(sy, BACK_CHUNK * N);
     }
 };
 
@@ -355,6 +358,150 @@ void backward_scan(const Slabs& in, BackScratch& s, int64_t T, int64_t n, bool r
             // reverse scan: X = B (gives dr_B), Y = P (gives dk_P).
             // lam[t] += -sum_{s>=t} r dr_B - sum_{s>=t} k dk_P   (totals added at the end)
             for (int64_t j = 0; j < N; ++j) lam[j] -= ra[j] + rb[j];
+        }
+    }
+}
+
+// Lane c of the result is the sum of a[c]'s lanes, for LANES = 4 (the low half of the
+// result) or 8 vectors: pairs of vectors interleaved and added, then pairs of those, then
+// the two 128-bit halves (in-lane shuffles, one cross-lane at the end).
+template <int LANES>
+inline vf8 lane_sums(const vf8* a) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+    auto pair = [](vf8 p, vf8 q) {
+        return __builtin_shufflevector(p, q, 0, 8, 1, 9, 4, 12, 5, 13) +
+               __builtin_shufflevector(p, q, 2, 10, 3, 11, 6, 14, 7, 15);
+    };
+    auto quad = [](vf8 p, vf8 q) {
+        return __builtin_shufflevector(p, q, 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(p, q, 2, 3, 10, 11, 6, 7, 14, 15);
+    };
+    const vf8 lo = quad(pair(a[0], a[1]), pair(a[2], a[3]));
+    const vf8 hi = LANES == 8 ? quad(pair(a[4], a[5]), pair(a[6], a[7])) : lo;
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+    vf8 out = {};
+    for (int c = 0; c < LANES; ++c)
+        for (int l = 0; l < 8; ++l) out[c] += a[c][l];
+    return out;
+#endif
+}
+
+// p[0:LANES] += the first LANES lanes of x, as one vector operation.
+template <int LANES>
+inline void add_lanes(float* p, vf8 x) {
+    if constexpr (LANES == 8) {
+        store8(p, load8(p) + x);
+    } else {
+        typedef float vf4 __attribute__((vector_size(16)));
+        vf4 a, b;
+        std::memcpy(&a, p, sizeof a);
+        std::memcpy(&b, &x, sizeof b);
+        a += b;
+        std::memcpy(p, &a, sizeof a);
+    }
+}
+
+// One direction of the backward pass for head sizes that are multiples of 8, the two
+// states in registers (the tiled form of backward_scan, same sums in another order).
+// A tile is 8 key channels j (one vector) x I value channels i, of X and of Y: X[., i]
+// and Y[., i] are vectors over j, so sum_i X g and sum_i Y v (-> dr, dk) are vector FMAs,
+// and only sum_j k Y (-> dv) needs lane sums. Time runs in chunks of BACK_CHUNK steps,
+// every tile passing over the chunk's rows while they are in cache; the chunk's dr and dk
+// rows collect in sx, sy, then go into the running sums in scan order.
+template <int N, bool REVERSE>
+void backward_tiles_one_way(const Slabs& in, BackScratch& s, int64_t T) {
+    static_assert(N % 8 == 0, "tiles of 8 key channels");
+#if defined(__AVX512F__)
+    constexpr int I = 8;  // 32 vector registers hold two 8 x 8 tiles
+#else
+    constexpr int I = 4;  // 16 registers: two 8 x 4 tiles
+#endif
+    constexpr int64_t STEP = REVERSE ? -N : N;
+    float* X = s.X.data();
+    float* Y = s.Y.data();
+    std::fill(X, X + N * N, 0.0f);
+    std::fill(Y, Y + N * N, 0.0f);
+    double* ra = s.run_a.data();  // running sum of r * (X g)
+    double* rb = s.run_b.data();  // running sum of k * (Y v)
+    std::fill(ra, ra + N, 0.0);
+    std::fill(rb, rb + N, 0.0);
+    float* sx = s.sx.data();
+    float* sy = s.sy.data();
+    for (int64_t c0 = 0; c0 < T; c0 += BACK_CHUNK) {
+        const int64_t len = std::min(T - c0, BACK_CHUNK);
+        const int64_t row = (REVERSE ? T - 1 - c0 : c0) * N;  // the chunk's first row
+        std::fill(sx, sx + len * N, 0.0f);
+        std::fill(sy, sy + len * N, 0.0f);
+        float* xtile = X;
+        float* ytile = Y;
+        for (int j0 = 0; j0 < N; j0 += 8) {
+            for (int i0 = 0; i0 < N; i0 += I, xtile += 8 * I, ytile += 8 * I) {
+                vf8 x[I], y[I];
+#pragma GCC unroll 8
+                for (int c = 0; c < I; ++c) {
+                    x[c] = load8(xtile + 8 * c);
+                    y[c] = load8(ytile + 8 * c);
+                }
+                const float* rt = in.r.data() + row + j0;
+                const float* kt = in.k.data() + row + j0;
+                const float* dt = in.d.data() + row + j0;
+                const float* gt = in.g.data() + row + i0;
+                const float* vt = in.v.data() + row + i0;
+                float* dvt = s.dv.data() + row + i0;
+                float* sxt = sx + j0;
+                float* syt = sy + j0;
+                for (int64_t n = 0; n < len; ++n, rt += STEP, kt += STEP, dt += STEP,
+                     gt += STEP, vt += STEP, dvt += STEP, sxt += N, syt += N) {
+                    const vf8 rj = load8(rt), kj = load8(kt), dj = load8(dt);
+                    // the state before this step's update (A[t-1] / Q[t], B[t+1] / P[t])
+                    vf8 ax = x[0] * gt[0], ay = y[0] * vt[0];
+                    vf8 ky[I];
+                    ky[0] = kj * y[0];
+#pragma GCC unroll 8
+                    for (int c = 1; c < I; ++c) {
+                        ax += x[c] * gt[c];
+                        ay += y[c] * vt[c];
+                        ky[c] = kj * y[c];
+                    }
+                    const vf8 dv = lane_sums<I>(ky);
+                    add_lanes<I>(dvt, dv);
+#pragma GCC unroll 8
+                    for (int c = 0; c < I; ++c) {
+                        x[c] = dj * x[c] + kj * vt[c];
+                        y[c] = dj * y[c] + rj * gt[c];
+                    }
+                    store8(sxt, load8(sxt) + ax);
+                    store8(syt, load8(syt) + ay);
+                }
+#pragma GCC unroll 8
+                for (int c = 0; c < I; ++c) {
+                    store8(xtile + 8 * c, x[c]);
+                    store8(ytile + 8 * c, y[c]);
+                }
+            }
+        }
+        for (int64_t n = 0; n < len; ++n) {  // in scan order: the running sums
+            const int64_t t = REVERSE ? T - 1 - c0 - n : c0 + n;
+            const float* rt = in.r.data() + t * N;
+            const float* kt = in.k.data() + t * N;
+            float* drt = s.dr.data() + t * N;
+            float* dkt = s.dk.data() + t * N;
+            double* lam = s.lam.data() + t * N;
+            const float* sxn = sx + n * N;
+            const float* syn = sy + n * N;
+#pragma omp simd
+            for (int64_t j = 0; j < N; ++j) {
+                drt[j] += sxn[j];
+                dkt[j] += syn[j];
+                ra[j] += static_cast<double>(rt[j]) * sxn[j];
+                rb[j] += static_cast<double>(kt[j]) * syn[j];
+                if constexpr (REVERSE)  // the two directions' parts: see backward_scan
+                    lam[j] -= ra[j] + rb[j];
+                else
+                    lam[j] = -ra[j] - rb[j];
+            }
         }
     }
 }
@@ -456,12 +603,22 @@ void backward_impl(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v
                     gub[j] += rt[j] * kt[j] * vg;
                 }
             }
-            backward_scan<NC>(in, s, T, N, false);
+            if constexpr (NC > 0 && NC % 8 == 0)
+                backward_tiles_one_way<NC, false>(in, s, T);
+            else
+                backward_scan<NC>(in, s, T, N, false);
             // run_b now holds sum over all t of k dk_Q: the "s > t" part needs it.
             std::vector<double>& lam = s.lam;
-            for (int64_t t = 0; t < T; ++t)
-                for (int64_t j = 0; j < N; ++j) lam[t * N + j] += s.run_b[j];
-            backward_scan<NC>(in, s, T, N, true);
+            const double* total_b = s.run_b.data();
+            for (int64_t t = 0; t < T; ++t) {
+                double* lt = lam.data() + t * N;
+#pragma omp simd
+                for (int64_t j = 0; j < N; ++j) lt[j] += total_b[j];
+            }
+            if constexpr (NC > 0 && NC % 8 == 0)
+                backward_tiles_one_way<NC, true>(in, s, T);
+            else
+                backward_scan<NC>(in, s, T, N, true);
             // run_b now holds sum over all t of k dk_P: the "s < t" part needs it.
             for (int64_t t = 0; t < T; ++t) {
                 const float* ewt = in.ew.data() + t * N;
@@ -469,8 +626,10 @@ void backward_impl(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v
                 const double* lt = lam.data() + t * N;
                 // No step lies strictly between two others at the ends: exactly zero there.
                 const bool edge = (t == 0 || t == T - 1);
+                const double* total_p = s.run_b.data();
+#pragma omp simd
                 for (int64_t j = 0; j < N; ++j)
-                    gwt[j] = edge ? 0.0f : static_cast<float>((lt[j] + s.run_b[j]) * ewt[j]);
+                    gwt[j] = edge ? 0.0f : static_cast<float>((lt[j] + total_p[j]) * ewt[j]);
             }
             store_slab(s.dr.data(), gr, off, T, C, N);
             store_slab(s.dk.data(), gk, off, T, C, N);

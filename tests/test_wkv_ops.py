@@ -98,8 +98,9 @@ def test_reference_mixed_dtypes_return_float32():
 # ---------------------------------------------------------------------- CPU kernel
 cpu_kernel = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
 
+# T = 300 and 129: the tiled backward's chunks of 128 steps, a partial last one, both ways
 CPU_SHAPES = [(2, 1, 2, 64), (2, 2, 1, 80), (1, 3, 2, 8), (2, 49, 1, 80), (1, 77, 2, 64),
-              (1, 196, 1, 80), (3, 17, 2, 12)]
+              (1, 196, 1, 80), (3, 17, 2, 12), (1, 300, 1, 32), (1, 129, 1, 128)]
 
 
 @cpu_kernel
@@ -687,6 +688,28 @@ def test_portable_isa_levels_follow_cpuinfo(monkeypatch):
         got_tag, got_flags = toolchain.cpu_isa_flags()
         assert got_tag == tag and (flag in got_flags if flag else got_flags == [])
     assert "-mavx512bf16" not in toolchain.ISA_LEVELS[1][2]
+
+
+@pytest.mark.slow
+@cpu_kernel
+@pytest.mark.parametrize("cpu_flags", [{"avx2", "fma"}, set()], ids=["avx2", "base"])
+def test_narrower_instruction_sets_match_the_reference(tmp_path, monkeypatch, cpu_flags):
+    """The portable builds for CPUs with fewer vector registers (AVX2: 16; none: SSE2)
+    take other tile shapes in the backward: forward and gradients against the reference."""
+    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(toolchain, "_cpu_flags", lambda: set(cpu_flags))
+    spec = build.cpu_kernel_spec(portable=True)
+    assert "-mavx512f" not in spec.cflags
+    mod = build.build_kernel(spec)
+    for B, T, H, N in ((1, 150, 2, 64), (2, 33, 1, 80)):
+        inputs = make_inputs(B, T, H, N, seed=T)
+        gy = torch.randn(B, T, H * N, dtype=torch.float64)
+        y_ref, g_ref = grads_of(wkv6_bidirectional_reference, inputs, gy)
+        r, k, v, w, u = (x.detach().float().contiguous() for x in inputs)
+        assert_close(mod.forward(r, k, v, w, u), y_ref, 1e-5, "y")
+        grads = mod.backward(r, k, v, w, u, gy.float().contiguous())
+        for name, a, b in zip("rkvwu", grads, g_ref, strict=True):
+            assert_close(a, b, 2e-5, f"grad {name}")
 
 
 @pytest.mark.slow
