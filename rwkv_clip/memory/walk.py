@@ -290,9 +290,9 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
         w.rebuild(mix_input)
     m1 = w.matmul(mix_input, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
     t1 = w.unary_saves_result(m1)                        # tanh
-    mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)  # bmm: (5,B,T,C)
-    maa = w.glue(P(5 * C))                               # cat of time_maa_w/k/v/r/g
-    weight = w.add(mm, maa)
+    # the lerp weights: one baddbmm, maa (cat of time_maa_w/k/v/r/g) + t1 @ W2, (5,B,T,C)
+    mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)
+    weight = w.add(mm, w.glue(P(5 * C)))
     if weight.rg or x.rg:                                # the lerp weights: rebuilt
         w.rebuild(weight)
     mixed = w.lerp(x, sh, weight, stacked=5)             # one (5, B, T, C) lerp
@@ -332,10 +332,10 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     ws_lerp = 15 * n * b[x.dtype] + 2 * n * 4
     ws_wkv = 5 * na * 4 + 3 * na * b[amp_grad]
     # no_grad working set inside the projections: a (held by the caller), its glue copy,
-    # the shift, the bmm output (5) and the lerped (5) inputs, then the larger of the
-    # lerp weight (5) and r, k, v, g with one more activation.
-    inf = (n * b[a.dtype] + (x is not a) * n * b[x.dtype] + 11 * n * b[x.dtype]
-           + max(5 * n * b[x.dtype], 5 * na * b[r.dtype]))
+    # the shift and the five lerped inputs, with the lerp weights (5) while the lerp
+    # runs, then r, k, v, the gate, its silu and the decay logits in their place.
+    inf = (n * b[a.dtype] + (x is not a) * n * b[x.dtype] + 6 * n * b[x.dtype]
+           + max(5 * n * b[x.dtype], 6 * na * b[r.dtype]))
     return out, max(ws_lerp, ws_wkv), inf
 
 
@@ -368,9 +368,10 @@ def _channel_mix(w: Walker, bx: Sym, C: int, Fh: int, image: bool) -> tuple[Sym,
     # temporary) outside autocast, autograd's pow + relu backward (two) under it
     ws = (2 if w.amp is None else 3) * nf * b[k2.dtype] + 2 * n * 4
     # no_grad: bx (held by the caller), its glue copy, the shift, the two lerped inputs,
-    # one C-sized result; the hidden activation and its square (two of its size).
-    inf = (n * b[bx.dtype] + (x is not bx) * n * b[x.dtype] + 4 * n * b[x.dtype]
-           + nf * b[kk.dtype] + 2 * nf * b[k2.dtype])
+    # one C-sized result; the hidden activation, squared in place (relu_square), except
+    # under GPU autocast: there relu's result and the square are two more of its size.
+    hidden = nf * b[kk.dtype] + (2 * nf * b[k2.dtype] if w.device == "cuda" and w.amp else 0)
+    inf = (n * b[bx.dtype] + (x is not bx) * n * b[x.dtype] + 4 * n * b[x.dtype] + hidden)
     return out, ws, inf
 
 
