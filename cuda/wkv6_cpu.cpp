@@ -21,9 +21,9 @@
 // are written in the inputs' dtypes, so the caller never makes dtype copies. Scratch is
 // thread_local and only grows, so after the first call nothing is allocated but the
 // outputs. Inner loops run over channels with unit stride and compile-time trip counts
-// (N = 32, 64, 80, 128) for the compiler to vectorise; for head sizes that are multiples
-// of 16 the forward keeps the state in registers, tile by tile (forward_tiles), and exp is
-// a vectorisable polynomial.
+// (N = 32, 64, 80, 128) for the compiler to vectorise; for those head sizes the forward
+// and the backward keep their states in registers, tile by tile (forward_tiles,
+// backward_tiles_one_way), and exp is a vectorisable polynomial.
 //
 // The two functions are registered as operators of a library named after the build
 // (TORCH_LIBRARY, loaded with torch.ops.load_library), not as a Python module: that needs
