@@ -293,6 +293,12 @@ struct BackScratch {
         grow(run_a, N); grow(run_b, N);
         grow(sx, BACK_CHUNK * N); grow(sy, BACK_CHUNK * N);
     }
+    void start_direction(int64_t N) {  // both states and the running sums to zero
+        std::fill(X.begin(), X.begin() + N * N, 0.0f);
+        std::fill(Y.begin(), Y.begin() + N * N, 0.0f);
+        std::fill(run_a.begin(), run_a.begin() + N, 0.0);
+        std::fill(run_b.begin(), run_b.begin() + N, 0.0);
+    }
 };
 
 BackScratch& thread_back_scratch() {
@@ -305,14 +311,11 @@ BackScratch& thread_back_scratch() {
 template <int NC>
 void backward_scan(const Slabs& in, BackScratch& s, int64_t T, int64_t n, bool reverse) {
     const int64_t N = NC > 0 ? NC : n;
+    s.start_direction(N);
     float* X = s.X.data();
     float* Y = s.Y.data();
-    std::fill(X, X + N * N, 0.0f);
-    std::fill(Y, Y + N * N, 0.0f);
     double* ra = s.run_a.data();  // running sum of r * (X g)
     double* rb = s.run_b.data();  // running sum of k * (Y v)
-    std::fill(ra, ra + N, 0.0);
-    std::fill(rb, rb + N, 0.0);
     float* sx = s.sx.data();
     float* sy = s.sy.data();
     for (int64_t step = 0; step < T; ++step) {
@@ -419,23 +422,16 @@ void backward_tiles_one_way(const Slabs& in, BackScratch& s, int64_t T) {
     constexpr int I = 4;  // 16 registers: two 8 x 4 tiles
 #endif
     constexpr int64_t STEP = REVERSE ? -N : N;
-    float* X = s.X.data();
-    float* Y = s.Y.data();
-    std::fill(X, X + N * N, 0.0f);
-    std::fill(Y, Y + N * N, 0.0f);
-    double* ra = s.run_a.data();  // running sum of r * (X g)
-    double* rb = s.run_b.data();  // running sum of k * (Y v)
-    std::fill(ra, ra + N, 0.0);
-    std::fill(rb, rb + N, 0.0);
-    float* sx = s.sx.data();
+    s.start_direction(N);
+    float* sx = s.sx.data();  // the chunk's sum_i X g and sum_i Y v rows, in scan order
     float* sy = s.sy.data();
     for (int64_t c0 = 0; c0 < T; c0 += BACK_CHUNK) {
         const int64_t len = std::min(T - c0, BACK_CHUNK);
         const int64_t row = (REVERSE ? T - 1 - c0 : c0) * N;  // the chunk's first row
         std::fill(sx, sx + len * N, 0.0f);
         std::fill(sy, sy + len * N, 0.0f);
-        float* xtile = X;
-        float* ytile = Y;
+        float* xtile = s.X.data();
+        float* ytile = s.Y.data();
         for (int j0 = 0; j0 < N; j0 += 8) {
             for (int i0 = 0; i0 < N; i0 += I, xtile += 8 * I, ytile += 8 * I) {
                 vf8 x[I], y[I];
@@ -482,6 +478,8 @@ void backward_tiles_one_way(const Slabs& in, BackScratch& s, int64_t T) {
                 }
             }
         }
+        double* ra = s.run_a.data();  // running sums of r * (X g) and k * (Y v)
+        double* rb = s.run_b.data();
         for (int64_t n = 0; n < len; ++n) {  // in scan order: the running sums
             const int64_t t = REVERSE ? T - 1 - c0 - n : c0 + n;
             const float* rt = in.r.data() + t * N;
