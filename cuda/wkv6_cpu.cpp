@@ -367,10 +367,12 @@ void backward_scan(const Slabs& in, BackScratch& s, int64_t T, int64_t n, bool r
 
 // Lane c of the result is the sum of a[c]'s lanes, for LANES = 4 (the low half of the
 // result) or 8 vectors: pairs of vectors interleaved and added, then pairs of those, then
-// the two 128-bit halves (in-lane shuffles, one cross-lane at the end).
+// the two 128-bit halves (in-lane shuffles, one cross-lane at the end). Compilers without
+// __builtin_shufflevector (GCC < 12), or a build defining WKV_SCALAR_LANE_SUMS (tests),
+// sum lane by lane.
 template <int LANES>
 inline vf8 lane_sums(const vf8* a) {
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#if !defined(WKV_SCALAR_LANE_SUMS) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
     auto pair = [](vf8 p, vf8 q) {
         return __builtin_shufflevector(p, q, 0, 8, 1, 9, 4, 12, 5, 13) +
                __builtin_shufflevector(p, q, 2, 10, 3, 11, 6, 14, 7, 15);

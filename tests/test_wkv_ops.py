@@ -1,6 +1,7 @@
 """The bidirectional WKV6 op: reference vs brute force, native kernels vs reference."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -692,14 +693,19 @@ def test_portable_isa_levels_follow_cpuinfo(monkeypatch):
 
 @pytest.mark.slow
 @cpu_kernel
-@pytest.mark.parametrize("cpu_flags", [{"avx2", "fma"}, set()], ids=["avx2", "base"])
-def test_narrower_instruction_sets_match_the_reference(tmp_path, monkeypatch, cpu_flags):
+@pytest.mark.parametrize("cpu_flags,defines", [({"avx2", "fma"}, ()), (set(), ()),
+                                               (set(), ("-DWKV_SCALAR_LANE_SUMS",))],
+                         ids=["avx2", "base", "base-scalar-lane-sums"])
+def test_narrower_instruction_sets_match_the_reference(tmp_path, monkeypatch, cpu_flags,
+                                                       defines):
     """The portable builds for CPUs with fewer vector registers (AVX2: 16; none: SSE2)
-    take other tile shapes in the backward: forward and gradients against the reference."""
+    take other tile shapes in the backward, and compilers without vector shuffles sum the
+    lanes one by one: forward and gradients against the reference."""
     monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(toolchain, "_cpu_flags", lambda: set(cpu_flags))
     spec = build.cpu_kernel_spec(portable=True)
     assert "-mavx512f" not in spec.cflags
+    spec = dataclasses.replace(spec, cflags=(*spec.cflags, *defines))
     mod = build.build_kernel(spec)
     for B, T, H, N in ((1, 150, 2, 64), (2, 33, 1, 80)):
         inputs = make_inputs(B, T, H, N, seed=T)
