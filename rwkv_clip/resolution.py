@@ -1,8 +1,9 @@
 """Cost against image size: RWKV-CLIP beside an open_clip ViT, both built for each side.
 
-Time (ABBA-interleaved, :mod:`rwkv_clip.benchmark`) and peak memory of inference (the image
-tower) and a training step per side, and their log-log slopes against the patch tokens
-(1: linear, 2: quadratic). Used by ``scripts/bench_resolution.py``.
+Time (ABBA-interleaved, :mod:`rwkv_clip.benchmark`), peak memory and counted FLOPs
+(:mod:`rwkv_clip.flops`) of inference (the image tower) and a training step per side, and
+their log-log slopes against the patch tokens (1: linear, 2: quadratic). Used by
+``scripts/bench_resolution.py``.
 """
 from __future__ import annotations
 
@@ -103,12 +104,34 @@ def build_ours(args: Any, side: int, device: torch.device) -> torch.nn.Module:
     return build_model(dataclasses.replace(args, input_size=side), seed=0, device=device)
 
 
+def count_case_flops(task: str, batch: int, side: int, ctx_len: int,
+                     models: dict[str, torch.nn.Module],
+                     log: Callable[[str], None]) -> dict[str, int | None]:
+    """Each model's FLOPs per call of ``task`` (the same under every precision); None,
+    with a line in the log, for a model the fake-tensor count cannot run."""
+    from .flops import image_inference_flops, training_flops
+    out: dict[str, int | None] = {}
+    for name, model in models.items():
+        model.train(task == "train")
+        try:
+            counted = (training_flops(model, batch, side, ctx_len) if task == "train"
+                       else image_inference_flops(model, batch, side))
+            out[name] = int(counted["total"])
+        except Exception as exc:
+            log(f"{name}: FLOPs of {task} at {side} px not counted ({_one_line(exc)})")
+            out[name] = None
+    return out
+
+
 def run_case(sweep: Sweep, task: str, precision: str, side: int, tokens: int,
              models: dict[str, torch.nn.Module], ctx_len: int, vocab: int,
-             log: Callable[[str], None]) -> dict[str, Any]:
+             log: Callable[[str], None],
+             flops: dict[str, int | None] | None = None) -> dict[str, Any]:
     """One (task, precision, side): each model's step times, its peak memory, the paired
-    time ratio (their time / ours) and the memory ratio (their peak / ours). A model
-    whose call fails is dropped from the case with its error."""
+    time ratio (their time / ours) and the memory ratio (their peak / ours); with
+    ``flops`` (per call, by model) each model's FLOPs and achieved GFLOP/s and the FLOP
+    ratio (theirs / ours). A model whose call fails is dropped from the case with its
+    error."""
     batch = sweep.train_batch if task == "train" else sweep.batch
     dev = sweep.device
     images, tokens_in = (t.to(dev) for t in make_inputs(batch, side, ctx_len, vocab))
@@ -151,9 +174,16 @@ def run_case(sweep: Sweep, task: str, precision: str, side: int, tokens: int,
             result[name].update(median_s=statistics.median(result[name]["step_s"]),
                                 peak_memory_bytes=start + rise, held_bytes=start,
                                 step_memory_bytes=rise)
+            counted = (flops or {}).get(name)
+            if counted:
+                result[name].update(flops=counted, gflop_per_s=round(
+                    counted / 1e9 / result[name]["median_s"], 1))
         if len(runners) == 2:
             result["memory_ratio"] = (result[THEIRS]["peak_memory_bytes"]
                                       / result[OURS]["peak_memory_bytes"])
+            if "flops" in result[OURS] and "flops" in result[THEIRS]:
+                result["flop_ratio"] = round(
+                    result[THEIRS]["flops"] / result[OURS]["flops"], 4)
     for name, message in errors.items():
         result[name] = {"error": message}
     log(format_case(result, sweep.versus))
@@ -183,16 +213,18 @@ def format_case(r: dict[str, Any], versus: str | None) -> str:
             continue
         m = r[name]
         cells.append(f"{label}: {m['error']}" if "error" in m else
-                     f"{label} {m['median_s']:.3g} s, {m['peak_memory_bytes'] / 2**30:.2f} GiB")
+                     f"{label} {m['median_s']:.3g} s, {m['peak_memory_bytes'] / 2**30:.2f} GiB"
+                     + (f", {m['flops'] / 1e9:.4g} GFLOP" if "flops" in m else ""))
     if "ratio" in r:
-        cells.append(f"time ratio {r['ratio']:.2f}x, memory ratio {r['memory_ratio']:.2f}x")
+        cells.append(f"time ratio {r['ratio']:.2f}x, memory ratio {r['memory_ratio']:.2f}x"
+                     + (f", FLOP ratio {r['flop_ratio']:.2f}x" if "flop_ratio" in r else ""))
     return " | ".join(cells)
 
 
 def slopes(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per model, task and precision: log-log slopes against tokens of the median step
-    time, the peak memory and the memory the step itself adds (peak minus what the case
-    held at its start)."""
+    time, the peak memory, the memory the step itself adds (peak minus what the case
+    held at its start) and the counted FLOPs (None where a side has no count)."""
     out = []
     for task in TASKS:
         for precision in PRECISIONS:
@@ -209,7 +241,8 @@ def slopes(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                             "memory_slope": loglog_slope(
                                 tokens, [x["peak_memory_bytes"] for x in m]),
                             "step_memory_slope": loglog_slope(
-                                tokens, [x["step_memory_bytes"] for x in m])})
+                                tokens, [x["step_memory_bytes"] for x in m]),
+                            "flop_slope": loglog_slope(tokens, [x.get("flops") for x in m])})
     return out
 
 
@@ -246,6 +279,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None]) -> dict[str, Any]:
     for side in sorted({*sweep.sides, *sweep.train_sides}):
         tokens = (side // patch) ** 2
         models: dict[str, torch.nn.Module] = {}
+        flops: dict[str, dict[str, int | None]] = {}  # by task: the same for every precision
         for task in sweep.tasks:
             if side not in (sweep.train_sides if task == "train" else sweep.sides):
                 continue
@@ -261,10 +295,13 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None]) -> dict[str, Any]:
                     continue
                 if not models:
                     models = build_models(sweep, args, side)
+                if task not in flops:
+                    batch = sweep.train_batch if task == "train" else sweep.batch
+                    flops[task] = count_case_flops(task, batch, side, ctx_len, models, log)
                 log(f"[{time.perf_counter() - t0:6.0f} s] {task} {precision} {side} px "
                     f"({tokens} tokens)" + (f", predicted {guess:.0f} s" if guess else ""))
                 case = run_case(sweep, task, precision, side, tokens, models, ctx_len, vocab,
-                                log)
+                                log, flops[task])
                 cases.append(case)
                 for name in models:
                     if "median_s" in case.get(name, {}):
@@ -292,8 +329,9 @@ def build_models(sweep: Sweep, args: Any, side: int) -> dict[str, torch.nn.Modul
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    """Time, peak memory and the memory the step adds against tokens, log-log, one line
-    per model, task and precision, its fitted slope in the legend (matplotlib, Agg)."""
+    """Time, peak memory, the memory the step adds and the counted FLOPs against tokens,
+    log-log, one line per model, task and precision (FLOPs: per model and task), its
+    fitted slope in the legend (matplotlib, Agg)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -303,8 +341,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     panels = (("median_s", 1.0, "time_slope", "seconds per call (median)"),
               ("peak_memory_bytes", 2.0 ** -30, "memory_slope", "peak memory (GiB)"),
               ("step_memory_bytes", 2.0 ** -30, "step_memory_slope",
-               "memory the call adds (GiB)"))
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+               "memory the call adds (GiB)"),
+              ("flops", 1e-9, "flop_slope", "GFLOP per call (counted)"))
+    fig, grid = plt.subplots(2, 2, figsize=(13, 9.6))
+    axes = grid.ravel()
     all_tokens = sorted({c["tokens"] for c in result["cases"]})
     for s in result["slopes"]:
         rows = [c for c in result["cases"] if c["task"] == s["task"]
@@ -312,9 +352,12 @@ def plot(result: dict[str, Any], path: str) -> None:
         style = dict(color="tab:red" if s["model"] == OURS else "tab:blue",
                      linestyle="-" if s["task"] == "infer" else "--",
                      marker="o" if s["precision"] == "fp32" else "s")
-        what = f"{names[s['model']]} {s['task']} {s['precision']}"
+        what = f"{names[s['model']]} {s['task']}"
         for ax, (key, scale, fit, _) in zip(axes, panels, strict=True):
-            label = what + ("" if s[fit] is None else f" (slope {s[fit]:.2f})")
+            if key == "flops" and (s[fit] is None or s["precision"] != result["precisions"][0]):
+                continue  # counted once per model and task: the same under every precision
+            label = (what + ("" if key == "flops" else f" {s['precision']}")
+                     + ("" if s[fit] is None else f" (slope {s[fit]:.2f})"))
             ax.plot([c["tokens"] for c in rows], [c[s["model"]][key] * scale for c in rows],
                     label=label, **style)
     for ax, (_, _, _, ylabel) in zip(axes, panels, strict=True):

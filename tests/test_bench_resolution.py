@@ -1,6 +1,6 @@
 """The resolution benchmark (rwkv_clip.resolution, scripts/bench_resolution.py): the slope
 fit, the time guard's prediction, the memory probe, one case of two models side by side,
-a model that fails a case, and the script's JSON and plot."""
+a model that fails a case, and the script's JSON (FLOPs included) and plot."""
 from __future__ import annotations
 
 import json
@@ -18,6 +18,7 @@ from rwkv_clip.resolution import (
     THEIRS,
     Sweep,
     build_ours,
+    count_case_flops,
     loglog_slope,
     predict_seconds,
     run_case,
@@ -145,7 +146,17 @@ def test_a_model_that_fails_is_dropped_with_its_error():
     assert case[OURS]["median_s"] > 0 and "ratio" not in case
     assert slopes([case]) == [{"model": OURS, "task": "infer", "precision": "fp32",
                                "sides": [16], "time_slope": None, "memory_slope": None,
-                               "step_memory_slope": None}]
+                               "step_memory_slope": None, "flop_slope": None}]
+
+
+def test_a_model_whose_flops_cannot_be_counted_gets_none_and_a_log_line():
+    args = load_model_configs(TINY)
+    models = {OURS: build_ours(args, 16, torch.device("cpu")), THEIRS: Broken()}
+    lines: list[str] = []
+    flops = count_case_flops("infer", 1, 16, args.ctx_len, models, lines.append)
+    assert flops[THEIRS] is None and flops[OURS] > 0
+    assert lines == [f"{THEIRS}: FLOPs of infer at 16 px not counted (RuntimeError: "
+                     "sequence too long for this kernel)"]
 
 
 def test_training_sides_outside_the_inference_sides_run_too():
@@ -226,6 +237,15 @@ def test_script_prints_one_json_and_draws_the_plot(repo_root, tmp_path):
             loglog_slope([16, 64], [r["median_s"] for r in rows]))
         assert fit["memory_slope"] == pytest.approx(
             loglog_slope([16, 64], [r["peak_memory_bytes"] for r in rows]))
+        assert fit["flop_slope"] == pytest.approx(
+            loglog_slope([16, 64], [r["flops"] for r in rows]))
+    for case in result["cases"]:  # counted, and the same count under the time
+        m = case[OURS]
+        assert m["flops"] > 0
+        assert m["gflop_per_s"] == pytest.approx(m["flops"] / 1e9 / m["median_s"], rel=1e-2)
+    # the image tower's FLOPs are linear in the tokens, up to the pooled head's constant
+    infer = {c["side"]: c[OURS]["flops"] for c in result["cases"] if c["task"] == "infer"}
+    assert 3.9 < infer[32] / infer[16] <= 4
     assert [(f["task"], f["sides"]) for f in result["slopes"]] == [("infer", [16, 32]),
                                                                   ("train", [16, 32])]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -266,4 +286,6 @@ def test_b32_beside_open_clip_vit_b32_at_two_sides(repo_root):
     assert fits[(THEIRS, "train")]["time_slope"] is None  # one side
     for case in result["cases"]:
         assert case["ratio"] > 0 and case["memory_ratio"] > 0
+        assert case["flop_ratio"] == pytest.approx(
+            case[THEIRS]["flops"] / case[OURS]["flops"], rel=1e-3)
         assert case[THEIRS]["peak_memory_bytes"] > case[THEIRS]["held_bytes"] > 0

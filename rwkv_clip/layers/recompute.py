@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..cpu_gemm import env_choice
 from ..errors import ConfigError
@@ -41,6 +42,8 @@ def _traced() -> bool:
 
 def _address(t: torch.Tensor) -> int | None:
     """The address of t's storage; None for tensors without data (fake, functional)."""
+    if isinstance(t, FakeTensor):  # its storage reports address 0 for every tensor
+        return None
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
