@@ -176,14 +176,13 @@ def run_case(sweep: Sweep, task: str, precision: str, side: int, tokens: int,
                                 step_memory_bytes=rise)
             counted = (flops or {}).get(name)
             if counted:
-                result[name].update(flops=counted, gflop_per_s=round(
-                    counted / 1e9 / result[name]["median_s"], 1))
+                result[name].update(flops=counted,
+                                    gflop_per_s=counted / 1e9 / result[name]["median_s"])
         if len(runners) == 2:
             result["memory_ratio"] = (result[THEIRS]["peak_memory_bytes"]
                                       / result[OURS]["peak_memory_bytes"])
             if "flops" in result[OURS] and "flops" in result[THEIRS]:
-                result["flop_ratio"] = round(
-                    result[THEIRS]["flops"] / result[OURS]["flops"], 4)
+                result["flop_ratio"] = result[THEIRS]["flops"] / result[OURS]["flops"]
     for name, message in errors.items():
         result[name] = {"error": message}
     log(format_case(result, sweep.versus))

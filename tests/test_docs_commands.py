@@ -112,6 +112,9 @@ COMMANDS: dict[str, str] = {
     "--precisions fp32,bf16 --breakdown": "help",
     "python scripts/bench_resolution.py --precisions fp32,bf16 --threads 2 "
     "--plot docs/img/resolution.png": "help",
+    "python scripts/bench_resolution.py --model B32 --sides 224 --batch-size 16 "
+    "--train-batch-size 16 --precisions fp32,bf16 --repeats 3 --threads 2 --out "
+    "docs/results/resolution_b32_224.json": "help",
     "python scripts/bench_wkv.py --shapes 16,77,10,64": "help",
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu": "help",
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu --dtype bf16": "help",
