@@ -75,11 +75,18 @@ def count_flops(call: Callable[[], Any]) -> dict[str, Any]:
     return {"total": counter.get_total_flops(), "by_op": by_op}
 
 
+def _device_of(model: Any) -> torch.device:
+    """Where the inputs go: the model's own device (fake tensors keep devices apart)."""
+    return next(model.parameters()).device
+
+
 def image_inference_flops(model: Any, batch: int, side: int) -> dict[str, Any]:
     """FLOPs of ``model.encode_image`` on a (batch, 3, side, side) batch. Counted with
     autograd on, so ``nn.MultiheadAttention`` takes its composite path (its inference
     fast path does the same products in one opaque operator)."""
-    return count_flops(lambda: model.encode_image(torch.zeros(batch, 3, side, side)))
+    device = _device_of(model)
+    return count_flops(lambda: model.encode_image(torch.zeros(batch, 3, side, side,
+                                                              device=device)))
 
 
 def training_flops(model: Any, batch: int, side: int, ctx_len: int) -> dict[str, Any]:
@@ -88,10 +95,11 @@ def training_flops(model: Any, batch: int, side: int, ctx_len: int) -> dict[str,
     update is not counted."""
     from .loss import ClipLoss
     params = [p for p in model.parameters() if p.requires_grad]
+    device = _device_of(model)
 
     def step() -> None:
-        images = torch.zeros(batch, 3, side, side)
-        tokens = torch.zeros(batch, ctx_len, dtype=torch.long)
+        images = torch.zeros(batch, 3, side, side, device=device)
+        tokens = torch.zeros(batch, ctx_len, dtype=torch.long, device=device)
         image_f, text_f, scale = model(images, tokens)[:3]
         loss = ClipLoss()(image_f, text_f, scale)
         torch.autograd.grad(loss, params, allow_unused=True)

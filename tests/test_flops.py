@@ -96,3 +96,17 @@ def test_counting_leaves_the_model_as_it_was():
     after = model(images, tokens)
     for a, b in zip(before, after, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_inputs_go_where_the_model_is():
+    """A model off the CPU (meta here, CUDA on a GPU machine) counts the same: the inputs
+    are made on its device, since fake tensors on two devices do not mix."""
+    from rwkv_clip.benchmark import build_open_clip
+    pytest.importorskip("open_clip")
+    vit = build_open_clip("ViT-B-32", force_image_size=64).train()
+    on_cpu = (image_inference_flops(vit, 2, 64)["total"],
+              training_flops(vit, 2, 64, 77)["total"])
+    vit.to("meta")
+    assert image_inference_flops(vit, 2, 64)["total"] == on_cpu[0]
+    # off the CPU, attention's backward is another kernel, with torch's own count of it
+    assert training_flops(vit, 2, 64, 77)["total"] == pytest.approx(on_cpu[1], rel=0.01)
