@@ -9,6 +9,9 @@ from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
 from rwkv_clip.config import ModelArgs
 
 BACKENDS = ["reference", "cpu"]
+# the CUDA kernel inside the whole model, in fp32 without TF32 (run by the GPU check)
+WITH_CUDA = [*BACKENDS, pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])]
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +23,18 @@ def _golden_model(golden, backend):
     model = create_RWKV_Model(ModelArgs.from_dict(dict(golden["config"])))
     model.load_state_dict(golden["state_dict"], strict=True)
     model.set_wkv_backend(backend)
-    return model
+    return model.to("cuda" if backend == "cuda" else "cpu")
+
+
+@pytest.fixture
+def inputs(golden, backend):
+    """The golden images and tokens on the backend's device; on CUDA with TF32 off in
+    products and convolutions, so that fp32 means fp32 as on the CPU."""
+    device = "cuda" if backend == "cuda" else "cpu"
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield golden["images"].to(device), golden["text"].to(device)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _rel(a, b):
@@ -35,15 +49,16 @@ def test_golden_state_dict_layout(golden):
     assert ours == theirs
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_golden_eval_features(golden, backend):
+@pytest.mark.parametrize("backend", WITH_CUDA)
+def test_golden_eval_features(golden, backend, inputs):
     model = _golden_model(golden, backend).eval()
+    images, text = inputs
     with torch.no_grad():
-        image_features, text_features, logit_scale = model(golden["images"], golden["text"])
-    assert _rel(image_features, golden["image_features"]) < 1e-4
-    assert _rel(text_features, golden["text_features"]) < 1e-4
-    assert torch.allclose(logit_scale, golden["logit_scale"], rtol=1e-6)
-    assert torch.allclose(model.encode_image(golden["images"]), image_features, atol=0)
+        image_features, text_features, logit_scale = model(images, text)
+    assert _rel(image_features.cpu(), golden["image_features"]) < 1e-4
+    assert _rel(text_features.cpu(), golden["text_features"]) < 1e-4
+    assert torch.allclose(logit_scale.cpu(), golden["logit_scale"], rtol=1e-6)
+    assert torch.allclose(model.encode_image(images), image_features, atol=0)
 
 
 def _direction(n: int) -> torch.Tensor:
@@ -52,10 +67,10 @@ def _direction(n: int) -> torch.Tensor:
     return d / d.norm()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_golden_loss_and_gradients(golden, backend):
+@pytest.mark.parametrize("backend", WITH_CUDA)
+def test_golden_loss_and_gradients(golden, backend, inputs):
     model = _golden_model(golden, backend).train()
-    image_features, text_features, logit_scale = model(golden["images"], golden["text"])
+    image_features, text_features, logit_scale = model(*inputs)
     loss = ClipLoss()(F.normalize(image_features, dim=-1), F.normalize(text_features, dim=-1),
                       logit_scale)
     assert abs(loss.item() - golden["loss"]) / golden["loss"] < 1e-3
@@ -63,7 +78,7 @@ def test_golden_loss_and_gradients(golden, backend):
     bf16 = set(golden["meta"]["bf16_keys"])
     for name, param in model.named_parameters():
         tol = 1e-2 if name in bf16 else 1e-3
-        grad = param.grad.double().flatten()
+        grad = param.grad.double().flatten().cpu()
         ref_norm, ref_proj = golden["grad_norms"][name], golden["grad_proj"][name]
         assert abs(grad.norm().item() - ref_norm) <= tol * abs(ref_norm) + 1e-12, name
         proj = (grad * _direction(grad.numel())).sum().item()
