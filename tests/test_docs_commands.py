@@ -100,6 +100,12 @@ COMMANDS: dict[str, str] = {
     # GPU check, CUDA 12 cluster (network, a GPU machine)
     "bash scripts/device_wheels.sh": "help",
     "bash scripts/gpu_check.sh gpu_check.json": "help",
+    # docs/performance.md's GPU figures (an H200)
+    "python scripts/bench_resolution.py --device cuda --model B16 --precisions bf16 --sides "
+    "224,448,896 --batch-size 4 --train-batch-size 4 --warmup 2 --repeats 4 --max-seconds 150":
+        "help",
+    "python scripts/bench_wkv.py --shapes 4,3136,12,64 --backends cuda-faithful,cuda-fast "
+    "--dtype bf16 --check-batch 1": "help",
     "python3 -m venv .venv": "help",
     ".venv/bin/pip install torch==2.14.1 torchvision==0.29.1 --index-url "
     '"$TORCH_CU12_INDEX"': "help",
