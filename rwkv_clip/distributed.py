@@ -160,6 +160,14 @@ def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     return device
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's parameters are (CPU for a model without any): where its inputs go."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
 DEFAULT_TIMEOUT_MINUTES = 10.0  # how long a collective waits for a stuck rank (--dist-timeout)
 # NCCL: a failed or timed-out collective aborts the communicators and raises in Python
 # ("clean up only"), so rwkv_clip.faults can name the lost rank and exit with status 3.

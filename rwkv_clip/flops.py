@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .distributed import model_device
+
 # The WKV recurrence per token, head and direction on an (N x N) state: the outer product
 # k v^T (N^2), the decayed state plus it (2 N^2: a multiply-add) and the read-out r S
 # (2 N^2); two directions. The bonus term is O(N) and not counted.
@@ -75,16 +77,11 @@ def count_flops(call: Callable[[], Any]) -> dict[str, Any]:
     return {"total": counter.get_total_flops(), "by_op": by_op}
 
 
-def _device_of(model: Any) -> torch.device:
-    """Where the inputs go: the model's own device (fake tensors keep devices apart)."""
-    return next(model.parameters()).device
-
-
 def image_inference_flops(model: Any, batch: int, side: int) -> dict[str, Any]:
     """FLOPs of ``model.encode_image`` on a (batch, 3, side, side) batch. Counted with
     autograd on, so ``nn.MultiheadAttention`` takes its composite path (its inference
     fast path does the same products in one opaque operator)."""
-    device = _device_of(model)
+    device = model_device(model)
     return count_flops(lambda: model.encode_image(torch.zeros(batch, 3, side, side,
                                                               device=device)))
 
@@ -95,7 +92,7 @@ def training_flops(model: Any, batch: int, side: int, ctx_len: int) -> dict[str,
     update is not counted."""
     from .loss import ClipLoss
     params = [p for p in model.parameters() if p.requires_grad]
-    device = _device_of(model)
+    device = model_device(model)
 
     def step() -> None:
         images = torch.zeros(batch, 3, side, side, device=device)

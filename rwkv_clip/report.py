@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .distributed import model_device
 from .errors import EvalError, run_cli
 
 REPORT_NAME = "report.png"
@@ -383,7 +384,7 @@ def write_report(run_dir: str | os.PathLike, model=None, zero_shot_dir: str | No
     pred_path = run_dir / PREDICTIONS_NAME
     predictions = None
     if model is not None and folder:
-        predictions = compute_predictions(model, folder, _model_device(model))
+        predictions = compute_predictions(model, folder, model_device(model))
     elif pred_path.is_file() and not recompute:
         with open(pred_path) as f:
             predictions = json.load(f)
@@ -412,11 +413,6 @@ def write_report(run_dir: str | os.PathLike, model=None, zero_shot_dir: str | No
                        validation)
 
 
-def _model_device(model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,9 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-
-def _model_device(model: Any) -> torch.device:
-    return next(model.parameters()).device
+from .distributed import model_device
 
 
 @torch.no_grad()
@@ -30,7 +28,7 @@ def build_zero_shot_classifier(model: Any,
     from .eval.zeroshot import build_classifier, unwrap_model
 
     model = unwrap_model(model)
-    device = torch.device(device) if device is not None else _model_device(model)
+    device = torch.device(device) if device is not None else model_device(model)
     was_training = model.training
     model.eval()
     try:
@@ -66,7 +64,7 @@ def classify(model: Any, images: Any, classnames: Sequence[str],
     from .eval.zeroshot import LOGIT_SCALE, unwrap_model
 
     model = unwrap_model(model)
-    device = torch.device(device) if device is not None else _model_device(model)
+    device = torch.device(device) if device is not None else model_device(model)
     weights = build_zero_shot_classifier(model, tokenizer, classnames,
                                          templates or default_templates("imagenet"), device)
     batch = _image_batch(model, images).to(device)
