@@ -19,18 +19,22 @@ def golden(reference_dir):
     return torch.load(reference_dir / "golden_small.pt", weights_only=True)
 
 
+def _device(backend: str) -> str:
+    return "cuda" if backend == "cuda" else "cpu"
+
+
 def _golden_model(golden, backend):
     model = create_RWKV_Model(ModelArgs.from_dict(dict(golden["config"])))
     model.load_state_dict(golden["state_dict"], strict=True)
     model.set_wkv_backend(backend)
-    return model.to("cuda" if backend == "cuda" else "cpu")
+    return model.to(_device(backend))
 
 
 @pytest.fixture
 def inputs(golden, backend):
     """The golden images and tokens on the backend's device; on CUDA with TF32 off in
     products and convolutions, so that fp32 means fp32 as on the CPU."""
-    device = "cuda" if backend == "cuda" else "cpu"
+    device = _device(backend)
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield golden["images"].to(device), golden["text"].to(device)

@@ -63,7 +63,7 @@ def _build(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .build import DEFAULT_CUDA_VARIANT
+    from .build import CUDA_VARIANTS, DEFAULT_CUDA_VARIANT
     parser = argparse.ArgumentParser(
         prog="python -m rwkv_clip.ops",
         description="Native WKV kernel tools. 'build' compiles every variant the published "
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="compile the CPU and CUDA WKV kernels into the cache")
     b.add_argument("--no-cpu", action="store_true", help="skip the CPU kernel")
     b.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels")
-    b.add_argument("--variant", default=DEFAULT_CUDA_VARIANT, choices=("faithful", "fast", "all"),
+    b.add_argument("--variant", default=DEFAULT_CUDA_VARIANT, choices=(*CUDA_VARIANTS, "all"),
                    help=f"which CUDA variant(s) to build (default: {DEFAULT_CUDA_VARIANT}, "
                         "the one the operator uses)")
     b.add_argument("--verbose", action="store_true", help="show compiler output")
