@@ -50,6 +50,9 @@ class OnnxCLIP:
         self.config = _read_json(self.folder / ONNX_CONFIG_FILE)
         self.preprocess_config = _read_json(self.folder / PREPROCESS_CONFIG_FILE)
         self.normalize = bool(self.config.get("normalize", False))
+        # the scoring head: logit_scale (a log) and, for a SigLIP model, logit_bias
+        self.logit_scale: float | None = self.config.get("logit_scale")
+        self.logit_bias: float | None = self.config.get("logit_bias")
         self.image_size = int(self.config["image_input"]["shape"][2])
         self.context_length = int(self.config["text_input"]["shape"][1])
         options = ort.SessionOptions()

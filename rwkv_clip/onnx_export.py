@@ -185,9 +185,22 @@ def export_onnx(model: Any, out_dir: str | os.PathLike, model_config: dict[str, 
             "text_input": {"name": "text", "shape": ["batch", ctx_len], "dtype": "int64"},
             "output": {"name": "features", "shape": ["batch", feature_width(model)],
                        "dtype": "float32"},
-            "normalize": bool(normalize), "wkv": "dense fixed-length (rwkv_clip.ops.dense)"}
+            "normalize": bool(normalize), "wkv": "dense fixed-length (rwkv_clip.ops.dense)",
+            **logit_head(model)}
     written["onnx_config"] = write_json(out / ONNX_CONFIG_FILE, info)
     return written
+
+
+def logit_head(model: Any) -> dict[str, Any]:
+    """The model's scoring head, which the encoders leave out: ``loss`` ("clip" or
+    "siglip"), ``logit_scale`` (the parameter, a log) and, for SigLIP, ``logit_bias``;
+    a pair's SigLIP probability is ``sigmoid(exp(logit_scale) * cosine + logit_bias)``."""
+    bias = getattr(model, "logit_bias", None)
+    head: dict[str, Any] = {"loss": "clip" if bias is None else "siglip",
+                            "logit_scale": float(model.logit_scale.detach().float())}
+    if bias is not None:
+        head["logit_bias"] = float(bias.detach().float())
+    return head
 
 
 def feature_width(model: Any) -> int:
@@ -223,12 +236,15 @@ def verify_onnx(model: Any, out_dir: str | os.PathLike,
 
 
 def model_from_state(state: dict[str, torch.Tensor], config: str) -> nn.Module:
-    """The model of ``config`` (name or path) holding ``state``, in eval mode."""
+    """The model of ``config`` (name or path) holding ``state``, in eval mode; a SigLIP
+    state dict (with ``logit_bias``) gives a model with that parameter."""
+    from .checkpoint_files import check_state_dict
     from .config import load_model_configs
     from .model import create_RWKV_Model
 
     with torch.device("meta"):
         model = create_RWKV_Model(load_model_configs(config))
+        check_state_dict(model, state, str(config))
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 

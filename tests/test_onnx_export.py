@@ -306,3 +306,25 @@ def test_docs_commands_run(trained_checkpoint, tmp_path):
     assert (tmp_path / "exported" / "onnx" / "image_encoder.onnx").is_file()
     card = (tmp_path / "exported" / "hub" / "README.md").read_text()
     assert "top-1 accuracy" in card  # the zero_shot.py result found in the run folder
+
+
+def test_cli_exports_a_siglip_checkpoint_with_its_head(tmp_path, capsys):
+    """A SigLIP state dict (with ``logit_bias``) exports as a CLIP one does; onnx_config.json
+    carries the head the encoders leave out (scale and bias). (The encoders' agreement with
+    PyTorch is the slow tests' job.)"""
+    from rwkv_clip.export import main
+    from rwkv_clip.onnx import OnnxCLIP
+
+    model = _tiny_model(seed=4)
+    model.set_logit_bias(-7.5)
+    with torch.no_grad():
+        model.logit_scale.fill_(2.25)
+    torch.save(model.state_dict(), tmp_path / "siglip.pt")
+    assert main([str(tmp_path / "siglip.pt"), "--format", "onnx", "--output",
+                 str(tmp_path / "onnx"), "--no-verify"]) == 0
+    assert "onnx_config.json" in capsys.readouterr().out
+    info = json.loads((tmp_path / "onnx" / "onnx_config.json").read_text())
+    assert info["loss"] == "siglip"
+    assert info["logit_bias"] == pytest.approx(-7.5) and info["logit_scale"] == pytest.approx(2.25)
+    clip = OnnxCLIP(tmp_path / "onnx")
+    assert clip.logit_bias == pytest.approx(-7.5) and clip.logit_scale == pytest.approx(2.25)
