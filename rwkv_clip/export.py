@@ -85,8 +85,8 @@ def build_export_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("hub")
     g.add_argument("--eval-json", action="append", default=None, metavar="JSON|DIR",
                    help="zero_shot.py result record(s) for the model card's figures "
-                        "(repeatable; default: *_zeroshot_*.json beside the checkpoint or in "
-                        "its run folder)")
+                        "(repeatable; default: *_zeroshot_*.json beside the checkpoint, in "
+                        "its run folder or in the run's eval_results/)")
     g.add_argument("--name", default=None, help="model name in the card (default: the "
                                                 "output folder's name)")
     g.add_argument("--repo-id", default=None, metavar="ORG/NAME",

@@ -86,13 +86,17 @@ def write_weights(state: Mapping[str, torch.Tensor], path: Path) -> Path:
 def find_eval_results(checkpoint: str | os.PathLike) -> list[Path]:
     """CLIP_benchmark result files (``*_zeroshot_classification.json``,
     ``*_zeroshot_retrieval.json``) beside ``checkpoint``, or in its run folder when it sits
-    in ``checkpoints/``."""
+    in ``checkpoints/``, or in the ``eval_results/`` folder there (where ``zero_shot.py``
+    writes them by default)."""
+    from .eval.results import DEFAULT_OUTPUT_DIR
+
     path = Path(checkpoint)
     if not path.is_file():
         return []
     folders = [path.parent]
     if path.parent.name == "checkpoints":
         folders.append(path.parent.parent)
+    folders += [folder / DEFAULT_OUTPUT_DIR for folder in folders]
     found: list[Path] = []
     for folder in folders:
         for task in TASK_TYPES:
@@ -172,6 +176,11 @@ def training_summary(run_args: Mapping[str, Any] | None) -> str | None:
     return ", ".join(parts) + "."
 
 
+def _count(n: Any, noun: str) -> str:
+    """``1 block``, ``12 blocks``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def model_card(info: CardInfo, records: Sequence[Mapping[str, Any]]) -> str:
     """README.md text: YAML front matter (license, library_name, tags, datasets,
     model-index from ``records``) and a body on loading, training and the figures."""
@@ -199,9 +208,10 @@ def model_card(info: CardInfo, records: Sequence[Mapping[str, Any]]) -> str:
         'probs = rwkv_clip.classify(model, images, ["cat", "dog"])  # CLIP templates',
         "```", "",
         "## Model", "",
-        f"- image tower: {cfg.get('image_depth')} blocks, width {cfg.get('image_embed_dims')}, "
+        f"- image tower: {_count(cfg.get('image_depth'), 'block')}, width "
+        f"{cfg.get('image_embed_dims')}, "
         f"patch {cfg.get('image_patch_size')}, input {cfg.get('input_size')} px",
-        f"- text tower: {cfg.get('n_layer')} blocks, width {cfg.get('n_embd')}, context "
+        f"- text tower: {_count(cfg.get('n_layer'), 'block')}, width {cfg.get('n_embd')}, context "
         f"{cfg.get('ctx_len')} tokens",
     ]
     if info.parameters:

@@ -27,3 +27,23 @@ def test_an_explicit_output_dir_wins(tmp_path):
         == tmp_path / "r"
     json_dir, score = output_paths(options(output_dir=str(tmp_path / "scores.txt")))
     assert (json_dir, score) == (tmp_path, tmp_path / "scores.txt")
+
+
+def test_a_second_result_keeps_the_first(tmp_path):
+    """A rerun writes the canonical name; the earlier file is kept as NAME.1.json, then
+    NAME.2.json, never overwritten."""
+    import json
+
+    from rwkv_clip.eval.results import result_record, write_result
+
+    def record(acc):
+        return result_record("builtin", "m", "w.pt", "zeroshot_classification",
+                             {"acc1": acc, "acc5": 1.0, "mean_per_class_recall": acc})
+
+    first = write_result(record(0.1), tmp_path)
+    assert write_result(record(0.2), tmp_path) == first
+    write_result(record(0.3), tmp_path)
+    acc = {p.name: json.loads(p.read_text())["metrics"]["acc1"] for p in tmp_path.iterdir()}
+    assert acc == {"builtin_zeroshot_classification.json": 0.3,
+                   "builtin_zeroshot_classification.1.json": 0.1,
+                   "builtin_zeroshot_classification.2.json": 0.2}

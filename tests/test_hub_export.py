@@ -182,3 +182,37 @@ def test_bad_eval_json_is_one_line(exported, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "expected a zero_shot.py result record" in lines[0], r.stderr
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_card_finds_results_where_zero_shot_py_writes_them(tmp_path):
+    """zero_shot.py's default folder for runs/X/checkpoints/Y.pt is runs/X/eval_results/:
+    the export reads the figures from there without --eval-json."""
+    from huggingface_hub import ModelCard
+
+    from rwkv_clip.eval.results import write_result
+    from rwkv_clip.eval.runner import default_output_dir, options
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    weights = run / "checkpoints" / "epoch_latest.pt"
+    torch.save(_tiny_model().state_dict(), weights)
+    results = default_output_dir(options(model_weight=str(weights)))
+    assert results == run / "eval_results"
+    write_result(_record("builtin"), results)
+    write_result(_record("builtin", metrics=dict(METRICS, acc1=0.9)), results)  # a rerun
+    assert _export(weights, "--format", "hub", "--output", tmp_path / "out") == 0
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    got = [(r.dataset_name, r.metric_name, r.metric_value) for r in card.data.eval_results]
+    # the newest run's figures, once: the earlier file kept aside is not read again
+    assert ("builtin", "top-1 accuracy", pytest.approx(90.0)) in got
+    assert sum(1 for g in got if g[1] == "top-1 accuracy") == 1
+
+
+@pytest.mark.parametrize("depth,text", [(1, "1 block,"), (2, "2 blocks,")])
+def test_card_counts_blocks(depth, text):
+    from rwkv_clip.hub import CardInfo, model_card
+
+    config = {"image_depth": depth, "n_layer": depth, "image_embed_dims": 64, "n_embd": 64}
+    card = model_card(CardInfo(name="m", model_config=config), [])
+    assert f"image tower: {text}" in card and f"text tower: {text}" in card
+    assert "1 blocks" not in card

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+DEFAULT_OUTPUT_DIR = "eval_results"  # the folder's name; where: runner.default_output_dir
 TASKS = ("zeroshot_classification", "zeroshot_retrieval", "linear_probe")
 REQUIRED_KEYS = ("dataset", "model", "pretrained", "task", "metrics")
 # Keys of an evaluate_* result that describe the run rather than measure the model: they go
@@ -53,10 +54,26 @@ def result_path(output_dir: str | os.PathLike, dataset: str, task: str) -> Path:
     return Path(output_dir) / f"{dataset}_{task}.json"
 
 
+def keep_earlier(path: Path) -> Path | None:
+    """Move an existing result file at ``path`` aside to ``STEM.N.json`` (the lowest free
+    N from 1), so that a new run never overwrites an earlier one's figures; returns where it
+    went (None when there was nothing). ``STEM.N.json`` does not match ``*_TASK.json``."""
+    if not path.exists():
+        return None
+    n = 1
+    while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    os.replace(path, kept)
+    return kept
+
+
 def write_result(record: dict, output_dir: str | os.PathLike) -> Path:
+    """Write ``record`` to ``OUTPUT_DIR/<dataset>_<task>.json``; an earlier run's file
+    there is kept as ``<dataset>_<task>.N.json`` (:func:`keep_earlier`)."""
     validate_record(record)
     path = result_path(output_dir, record["dataset"], record["task"])
     path.parent.mkdir(parents=True, exist_ok=True)
+    keep_earlier(path)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)

@@ -21,7 +21,15 @@ from ..faults import DEFAULT_DIST_TIMEOUT
 from ..precision import get_precision
 from ..pretrained import HF_HUB_PREFIX, is_weights_name, load_weights
 from .datasets import PAPER_DATASETS, build_classification_set, canonical_name
-from .results import append_score_line, result_record, summary, write_result
+from .results import (
+    DEFAULT_OUTPUT_DIR,
+    append_score_line,
+    keep_earlier,
+    result_path,
+    result_record,
+    summary,
+    write_result,
+)
 from .retrieval import RETRIEVAL_ALIASES, build_retrieval_set, evaluate_retrieval
 from .transforms import eval_transform, protocol
 from .zeroshot import evaluate_classification
@@ -30,7 +38,6 @@ from .zeroshot import evaluate_classification
 # image tower's stochastic depth (a training setting), and the text dropout.
 ARCH_FLAGS = (*(key for key in TOWER_KEYS if key != "drop_path_rate"), "dropout")
 DEFAULT_SCORE_FILE = "zero_shot_scores.txt"
-DEFAULT_OUTPUT_DIR = "eval_results"  # the folder's name; where it goes: default_output_dir
 
 
 def log(info: DistInfo, msg: str) -> None:
@@ -238,10 +245,13 @@ def _run(opts, info: DistInfo, watch: faults.PeerWatch | None = None) -> list[di
         record = result_record(name, model_name, pretrained, task, metrics)
         records.append(record)
         if info.is_master:
+            earlier = result_path(json_dir, record["dataset"], record["task"])
             with faults.writing():
+                kept = keep_earlier(earlier)
                 path = write_result(record, json_dir)
             written.append(path)
-            print(f"wrote {path}", flush=True)
+            print(f"wrote {path}" + (f" (the earlier result there kept as {kept.name})"
+                                     if kept else ""), flush=True)
     if info.is_master and records:
         print("\n" + summary(records), flush=True)
         line = append_score_line(score_file, records)
