@@ -6,8 +6,12 @@ their ``main`` in :func:`run_cli`.
 """
 from __future__ import annotations
 
+import argparse
+import difflib
+import re
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 EXIT_USER_ERROR = 2
 
@@ -109,6 +113,44 @@ class PrecisionError(RWKVCLIPError, ValueError):
     """An unknown precision name, or one the device cannot run."""
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose own errors (unknown flag, bad value, invalid choice) are one line and
+    exit status 2, not the usage block, with a "did you mean" for a mistyped flag or choice.
+
+    Every command-line parser of the package is one, so this is the one place such errors
+    are formatted."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {self.one_line(message)}\n")
+
+    def one_line(self, message: str) -> str:
+        """argparse's ``message`` with its suggestions and the pointer to ``--help``."""
+        hint = self.suggestion(message)
+        return f"{message}{hint} ({self.prog} --help lists every flag)"
+
+    def suggestion(self, message: str) -> str:
+        """``; did you mean --X?`` for an unknown flag or an invalid choice close to a
+        valid one, else ``""``."""
+        pairs: list[tuple[str, str]] = []  # (what was given, the close valid one)
+        if message.startswith("unrecognized arguments:"):
+            flags = [name for name in self._option_string_actions if name.startswith("--")]
+            for word in message.split(":", 1)[1].split():
+                given = word.split("=", 1)[0]
+                close = difflib.get_close_matches(given, flags, n=1) \
+                    if given.startswith("--") else []
+                pairs += [(given, close[0])] if close else []
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            options = re.findall(r"'([^']*)'", choice.group(2))
+            close = difflib.get_close_matches(choice.group(1), options, n=1, cutoff=0.5)
+            pairs += [(choice.group(1), close[0])] if close else []
+        if len(pairs) == 1:
+            return f"; did you mean {pairs[0][1]}?"
+        if pairs:
+            return "; did you mean " + ", ".join(f"{b} for {a}" for a, b in pairs) + "?"
+        return ""
+
+
 def one_line(exc: BaseException) -> str:
     """The message of ``exc`` folded onto one line."""
     parts = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -150,4 +192,4 @@ __all__ = ["RWKVCLIPError", "ConfigError", "CheckpointError", "WKVError", "Kerne
            "KernelLockTimeoutError", "DataError", "DistributedError", "TrainArgsError",
            "TrainingError", "NonFiniteLossError", "ResumeError", "EvalError",
            "DatasetNotFoundError", "ImageReadError", "PeerRankError", "MeasurementError",
-           "PrecisionError", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]
+           "PrecisionError", "OneLineArgumentParser", "run_cli", "report", "one_line", "EXIT_USER_ERROR"]

@@ -323,3 +323,39 @@ def test_torchcompile_gives_the_eager_features(tmp_path):
         with torch.no_grad():
             feats.append(model.encode_image(images))
     torch.testing.assert_close(feats[0], feats[1], rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_dataset_lists_every_name_before_building_a_model(capsys):
+    """The list comes from the registries (classification sets, retrieval sets, the built-in
+    splits), and the error comes before any model is built (no 'model ...' line)."""
+    from rwkv_clip.eval.datasets import PAPER_DATASETS
+    from rwkv_clip.eval.retrieval import RETRIEVAL_ALIASES
+
+    rc, out, err = run_main(capsys, "--dataset", "cifar10,notaset", "--device", "cpu")
+    assert_one_line_error(rc, err, "unknown dataset 'notaset'")
+    assert rc == 2 and "model " not in out
+    listed = err.split("choose from", 1)[1].strip().split(", ")
+    expected = {"builtin", "builtin_shifted", "imagefolder", "jsonl", *PAPER_DATASETS,
+                *RETRIEVAL_ALIASES.values()}
+    assert set(listed) == expected and len(listed) == len(expected)
+    rc, _, err = run_main(capsys, "--dataset", "mscoco,notaset", "--task", "linear_probe")
+    assert_one_line_error(rc, err, "unknown dataset 'notaset' for --task linear_probe")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--task", "linear-probe"], "invalid choice: 'linear-probe'"),
+    (["--datset", "cifar10"], "unrecognized arguments: --datset cifar10"),
+])
+def test_argparse_errors_are_one_line_with_a_suggestion(argv, needle, capsys):
+    """A mistyped choice or flag name: one line (not the usage block), exit status 2, and
+    the close valid name."""
+    from rwkv_clip.eval.cli import parse_options
+
+    with pytest.raises(SystemExit) as exc:
+        parse_options(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
+    assert needle in err
+    assert err.rstrip().endswith("did you mean " + ("linear_probe" if "task" in argv[0]
+                                                    else "--dataset") + "? (zero_shot.py "
+                                 "--help lists every flag)"), err

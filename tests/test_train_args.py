@@ -234,3 +234,18 @@ def test_batch_equal_to_the_data_trains(tmp_path):
     data = make_tiny_rec(tmp_path / "data", n=8)
     summary = main(parse_args(tiny_argv(tmp_path / "out", data, "--max-steps", "1")))
     assert summary["steps"] == 1
+
+
+@pytest.mark.parametrize("argv,suggestion", [
+    (["--bach-size", "4"], "; did you mean --batch-size?"),
+    (["--bach-size=4", "--epocs", "2"], "; did you mean --batch-size for --bach-size, "
+                                        "--epochs for --epocs?"),
+    (["--lr-scheduler", "cosin"], "; did you mean cosine?"),
+    (["--zzzz"], " (train.py --help"),  # nothing close: no suggestion
+])
+def test_mistyped_flags_get_a_did_you_mean(argv, suggestion, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert suggestion in err and (suggestion != " (train.py --help" or "did you" not in err)

@@ -244,3 +244,29 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(tmp_path, 
     with pytest.raises(TrainingError, match="not finite.*last good checkpoint: none"):
         main(parse_args(tiny_argv(tmp_path / "n", tiny_rec, "--pretrained", str(bad))))
     assert not (tmp_path / "n" / "checkpoints" / ckpt_io.LATEST).exists()
+
+
+def test_resume_with_another_config_names_only_the_typed_flags(tmp_path, tiny_rec):
+    """A run of another model resumed with --config: one contradiction naming --config (not
+    a list of tower flags nobody typed); with --resume-allow-changes, one full line saying
+    how the weights differ, not torch's truncated 'Error(s) in loading state_dict'."""
+    from rwkv_clip.errors import one_line
+
+    other = ["--n-layer", "1", "--image-depth", "1", "--max-steps", "1"]
+    assert main(parse_args(tiny_argv(tmp_path / "run", tiny_rec, *other)))["steps"] == 1
+    with pytest.raises(ResumeError) as exc:
+        main(parse_args(tiny_argv(tmp_path / "run", tiny_rec, "--resume", "latest")))
+    message = str(exc.value)
+    assert "\n" not in message and message.count("contradicts") == 0, message
+    assert f"--config {TINY_CONFIG} gives another model than the checkpoint's" in message
+    assert "n_layer 2 vs 1" in message and "image_depth 2 vs 1" in message
+    assert "--n-layer" not in message and "--image-depth" not in message
+    assert "--batch-size" not in message  # typed, but the checkpoint's value
+    with pytest.raises(ResumeError) as exc:
+        main(parse_args(tiny_argv(tmp_path / "run", tiny_rec, "--resume", "latest",
+                                  "--resume-allow-changes")))
+    message = one_line(exc.value)
+    assert "Error(s)" not in message and str(exc.value) == message
+    assert "do not fit the changed model settings" in message
+    assert "56 keys the checkpoint lacks, e.g. text_model.blocks.1." in message
+    assert "--pretrained" in message

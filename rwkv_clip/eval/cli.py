@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 
 from ..config import INPUT_SIZE_FLAGS, str2bool
-from ..errors import EvalError, run_cli
+from ..errors import EvalError, OneLineArgumentParser, run_cli
 from ..faults import DEFAULT_DIST_TIMEOUT
 from .runner import ARCH_FLAGS, run
 
@@ -51,7 +51,7 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     description = ("Zero-shot image-text retrieval of RWKV-CLIP (MSCOCO, Flickr30k, JSONL)"
                    if retrieval else
                    "Zero-shot evaluation of RWKV-CLIP: classification and image-text retrieval")
-    p = argparse.ArgumentParser(prog=prog, description=description,
+    p = OneLineArgumentParser(prog=prog, description=description,
                                 epilog=RETRIEVAL_EXAMPLES if retrieval else ZERO_SHOT_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")

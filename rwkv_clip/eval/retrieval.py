@@ -22,6 +22,7 @@ from .metrics import retrieval_metrics
 ORIGINAL_CAPTION_PREFIX = "a photo of "
 RETRIEVAL_ALIASES = {"coco": "mscoco", "mscoco_captions": "mscoco", "mscoco": "mscoco",
                      "flickr": "flickr30k", "flickr30k": "flickr30k"}
+FILE_SETS = ("jsonl", "retrieval", "custom")  # names of a --retrieval-file set (jsonl first)
 ANNOTATION_CANDIDATES = {
     "mscoco": ("coco_karpathy_test.json", "annotations/coco_karpathy_test.json",
                "dataset_coco.json", "annotations/dataset_coco.json"),
@@ -157,7 +158,7 @@ def build_retrieval_set(name: str, data_root: str | os.PathLike | None = None,
     ``data_root`` unless ``retrieval_file`` is given) or ``jsonl`` (``retrieval_file``,
     images relative to ``data_root`` or the file's folder)."""
     key = RETRIEVAL_ALIASES.get(name.lower(), name.lower())
-    if key in ("jsonl", "retrieval", "custom"):
+    if key in FILE_SETS:
         if retrieval_file is None:
             raise EvalError(f"--dataset {name} needs --retrieval-file FILE.jsonl")
         return load_retrieval_file(retrieval_file, data_root, name="jsonl" if key == "jsonl" else key,

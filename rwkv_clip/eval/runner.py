@@ -30,7 +30,7 @@ from .results import (
     summary,
     write_result,
 )
-from .retrieval import RETRIEVAL_ALIASES, build_retrieval_set, evaluate_retrieval
+from .retrieval import FILE_SETS, RETRIEVAL_ALIASES, build_retrieval_set, evaluate_retrieval
 from .transforms import eval_transform, protocol
 from .zeroshot import evaluate_classification
 
@@ -109,7 +109,22 @@ def dataset_plan(opts) -> list[tuple[str, str]]:
             plan.append((RETRIEVAL_ALIASES.get(key, key), "zeroshot_retrieval"))
         else:
             plan.append((canonical_name(key), "zeroshot_classification"))
+    for (name, task), given in zip(plan, names, strict=True):  # before any model is built
+        if name not in known_datasets(task) and name not in FILE_SETS:
+            probe = task == "linear_probe"
+            raise EvalError(f"unknown dataset {given!r}{' for --task linear_probe' if probe else ''}"
+                            f": choose from {', '.join(known_datasets(task if probe else None))}")
     return plan
+
+
+def known_datasets(task: str | None = None) -> tuple[str, ...]:
+    """The ``--dataset`` names (aliases aside) of ``task``; every task's when None."""
+    classification = ("builtin", "builtin_shifted", "imagefolder", *PAPER_DATASETS)
+    retrieval = ("jsonl", *dict.fromkeys(RETRIEVAL_ALIASES.values()))
+    probe = ("builtin", "imagefolder", *PAPER_DATASETS)
+    by_task = {"zeroshot_classification": classification, "zeroshot_retrieval": retrieval,
+               "linear_probe": probe}
+    return by_task[task] if task else tuple(dict.fromkeys(classification + retrieval))
 
 
 def builtin_folder(shifted: bool = False) -> str:

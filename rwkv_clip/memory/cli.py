@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..config import INPUT_SIZE_FLAGS
-from ..errors import TrainArgsError, run_cli
+from ..errors import OneLineArgumentParser, TrainArgsError, run_cli
 from ..lora import BASE_PRECISIONS, DEFAULT_TARGETS, parse_targets
 from ..precision import canonical_precision
 from .estimate import (
@@ -36,11 +36,11 @@ COMPARED_RANK = 16  # the LoRA rank of the comparison table without --lora-rank
 PROG = "python -m rwkv_clip.memory"
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineArgumentParser):
     """argparse whose usage errors are the package's error (one line through run_cli)."""
 
     def error(self, message: str) -> NoReturn:
-        raise TrainArgsError(f"{message} (see {self.prog} --help)")
+        raise TrainArgsError(self.one_line(message))
 
 
 def build_planner_parser() -> argparse.ArgumentParser:

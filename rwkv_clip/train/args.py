@@ -18,7 +18,14 @@ from ..config import (
     read_config_json,
     str2bool,
 )
-from ..errors import EXIT_USER_ERROR, CheckpointError, ConfigError, TrainArgsError, report
+from ..errors import (
+    EXIT_USER_ERROR,
+    CheckpointError,
+    ConfigError,
+    OneLineArgumentParser,
+    TrainArgsError,
+    report,
+)
 from ..faults import DEFAULT_DIST_TIMEOUT
 from ..lora import add_lora_flags, check_lora_args
 from ..precision import PRECISIONS
@@ -52,7 +59,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_train_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(
+    p = OneLineArgumentParser(
         prog="train.py",
         description="Train RWKV-CLIP. With no arguments: the small config on the built-in "
                     "dataset on the available device, then zero-shot accuracy on its "
@@ -390,13 +397,6 @@ def explicit_dests(argv: Sequence[str] | None) -> list[str]:
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return sorted(vars(parser.parse_args(argv)))
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse's own errors (unknown flag, bad value) as one line, not the 30-line usage."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
 
 
 # ----------------------------------------------------------------------------- loss, captions

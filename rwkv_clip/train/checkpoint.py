@@ -248,16 +248,23 @@ def take_run_settings(ckpt: dict[str, Any], args, path) -> dict[str, Any]:
     model = dict(args.model_config)
     taken: dict[str, Any] = {}
     conflicts: list[str] = []
-    candidates = [(k, saved[k], getattr(args, k), k in explicit, args.__dict__)
+    # (key, checkpoint value, command-line value, typed: its own flag / by --config, target)
+    candidates = [(k, saved[k], getattr(args, k), "flag" if k in explicit else "",
+                   args.__dict__)
                   for k in RUN_SETTINGS if k in saved and hasattr(args, k)]
-    candidates += [(k, v, model[k], k in explicit or "config" in explicit, model)
+    candidates += [(k, v, model[k], "flag" if k in explicit else
+                    "config" if "config" in explicit else "", model)
                    for k, v in saved_model.items()
                    if k in model and k not in FREE_MODEL_KEYS and k not in RUN_SETTINGS]
+    by_config: list[str] = []  # model keys that differ only through the typed --config
     for key, old, new, given, target in candidates:
         if old == _json_safe(new):
             continue
         if given and allow and key not in FIXED_SETTINGS:
             continue  # the change is meant
+        if given == "config":
+            by_config.append(f"{key} {new!r} vs {old!r}")
+            continue
         if given:
             why = ("the data position is counted in its batches; resume with the same value "
                    "or start a new run in another --output" if key in FIXED_SETTINGS else
@@ -266,6 +273,11 @@ def take_run_settings(ckpt: dict[str, Any], args, path) -> dict[str, Any]:
             continue
         target[key] = old
         taken[key] = old
+    if by_config:
+        conflicts.append(f"--config {args.config} gives another model than the checkpoint's "
+                         f"({', '.join(by_config)}): leave --config out to resume the "
+                         "checkpoint's model, or start a new run in another --output with "
+                         f"--pretrained {path}")
     if conflicts:
         raise ResumeError(f"--resume {path}: " + "; ".join(conflicts))
     if "precision" in model:

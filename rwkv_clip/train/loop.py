@@ -527,6 +527,20 @@ def count_steps(micro_per_epoch: int, args) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- resume, save
 
+def state_dict_difference(model: torch.nn.Module, state: dict) -> str:
+    """How ``state`` differs from ``model``'s state dict, in a few words: the counts of
+    missing, unexpected and mis-shaped keys, and the first of each."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}"
+              for k in state if k in expected and state[k].shape != expected[k].shape]
+    parts = [f"{len(items)} {what}, e.g. {items[0]}" for what, items in
+             (("shape mismatches (checkpoint vs model)", shapes),
+              ("keys the model lacks", unexpected), ("keys the checkpoint lacks", missing))
+             if items]
+    return "; ".join(parts) or "the values do not load"
+
 def resume(ckpt: dict, path, info: DistInfo, log, model: torch.nn.Module,
            optimizer: torch.optim.Optimizer, scaler, state: RunState,
            total_steps: int) -> dict | None:
@@ -538,9 +552,12 @@ def resume(ckpt: dict, path, info: DistInfo, log, model: torch.nn.Module,
     """
     try:
         model.load_state_dict(ckpt["state_dict"])
-    except RuntimeError as exc:  # only after --resume-allow-changes changed the model
+    except RuntimeError:  # only after --resume-allow-changes changed the model
         raise ResumeError(f"--resume {path}: its weights do not fit the changed model "
-                          f"settings ({str(exc).splitlines()[0]})") from None
+                          f"settings ({state_dict_difference(model, ckpt['state_dict'])}); "
+                          "a resume continues the checkpoint's model: drop the model "
+                          "changes, or start a new run in another --output with "
+                          f"--pretrained {path}") from None
     optimizer.load_state_dict(ckpt["optimizer"])
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
