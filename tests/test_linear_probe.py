@@ -212,3 +212,62 @@ def test_bad_linear_probe_flags_are_one_line(argv, message, capsys, tmp_path):
     assert zero_shot_main(["--config", TINY, "--output-dir", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_too_large_fewshot_k_fails_before_encoding_and_names_a_k_that_fits(tmp_path, capsys,
+                                                                           monkeypatch):
+    """12 train images per class, 20% held out: 10 per class remain to draw from; k=11 is
+    refused before any image is encoded (the encoder is never called) and k=10 is named."""
+    from rwkv_clip.eval import common
+    from rwkv_clip.eval.cli import zero_shot_main
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("images were encoded before the --fewshot-k check")
+
+    monkeypatch.setattr(common, "encode_image_shard", no_encoding)
+    _image_folder(tmp_path / "set" / "train", 12)
+    _image_folder(tmp_path / "set" / "test", 2)
+    argv = ["--config", TINY, "--task", "linear_probe", "--dataset", "imagefolder",
+            "--data-root", str(tmp_path / "set"), "--fewshot-k", "11", "--output-dir",
+            str(tmp_path / "out"), "--feature-root", str(tmp_path / "feat")]
+    assert zero_shot_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--fewshot-k 11: too few training samples" in err[0], err
+    assert "blue: 10" in err[0] and err[0].endswith("use --fewshot-k 10 or less"), err
+    with pytest.raises(EvalError, match="use --fewshot-k 10 or less"):
+        select_fewshot(torch.arange(3).repeat(10), 11, seed=0)
+
+
+def test_dataset_targets_read_without_decoding(small_builtin, tmp_path):
+    from rwkv_clip.eval.datasets import image_folder_set
+    from rwkv_clip.eval.probe_data import builtin_splits, dataset_targets
+
+    train, _ = builtin_splits(None, small_builtin)
+    targets = dataset_targets(train.dataset)
+    assert targets is not None and targets.tolist()[:3] == [train.dataset[i][1] for i in range(3)]
+    _image_folder(tmp_path / "f", 2)
+    folder = image_folder_set(tmp_path / "f", None)
+    assert dataset_targets(folder.dataset).tolist() == [folder.dataset[i][1] for i in range(6)]
+
+
+def test_long_encodings_say_how_long_and_show_progress(monkeypatch):
+    """After the first batch: the estimate for the whole set; then a line every 10%; a set
+    estimated under the threshold stays quiet."""
+    from rwkv_clip.eval import common
+
+    clock = iter(float(t) for t in range(100))  # one second per call: per batch of 10
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
+    lines: list[str] = []
+    progress = common.ProgressLines(lines.append, "encoding", total=95, min_seconds=5)
+    for done in (10, 20, 25, 30, 40, 50, 60, 70, 80, 90, 95):
+        progress.update(done, first=done == 10)
+    assert lines[0] == ("encoding: 95 images, about 10 s on this machine (10 images/s on "
+                        "the first batch)")
+    assert lines[1] == "encoding: 20/95 images (21%), about 8 s left"
+    assert [line.split("(")[1].split(")")[0] for line in lines[2:]] == [
+        "31%", "42%", "52%", "63%", "73%", "84%", "94%"]  # 25 (26%) skipped; 95: done
+    quiet: list[str] = []
+    short = common.ProgressLines(quiet.append, "encoding", total=100, min_seconds=1000)
+    short.update(10, first=True)
+    short.update(50)
+    assert quiet == []

@@ -3,6 +3,7 @@ readable errors, batched text encoding."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -24,6 +25,40 @@ def progress(iterable, desc: str, total: int | None = None, info: DistInfo | Non
     show = (info or current()).is_master
     return tqdm(iterable, desc=desc, total=total, unit="batch", leave=False, file=sys.stderr,
                 dynamic_ncols=True, disable=None if show else True)
+
+
+class ProgressLines:
+    """Log lines for a long encoding, for logs and terminals alike: after the first batch,
+    the estimate for the whole set at this machine's rate; then every ``step`` percent of
+    it. Sets estimated under ``min_seconds`` stay quiet."""
+
+    def __init__(self, log: Callable[[str], None] | None, what: str, total: int,
+                 step: int = 10, min_seconds: float = 20.0) -> None:
+        self.log, self.what, self.total = log, what, total
+        self.step, self.min_seconds = step, min_seconds
+        self.start = time.perf_counter()
+        self.active, self.next_percent = False, step
+
+    def update(self, done: int, first: bool = False) -> None:
+        if self.log is None or done <= 0 or self.total <= 0:
+            return
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / done * (self.total - done)
+        if first:
+            self.active = elapsed + left >= self.min_seconds
+            if self.active:
+                self.log(f"{self.what}: {self.total} images, about {_duration(elapsed + left)} "
+                         f"on this machine ({done / elapsed:.0f} images/s on the first batch)")
+            return
+        percent = 100 * done // self.total
+        if self.active and percent >= self.next_percent and done < self.total:
+            self.log(f"{self.what}: {done}/{self.total} images ({percent}%), about "
+                     f"{_duration(left)} left")
+            self.next_percent = (percent // self.step + 1) * self.step
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager:
@@ -65,15 +100,19 @@ def encode_image_shard(model, dataset: Any, device: torch.device, batch_size: in
                        workers: int = 0, precision: str = "fp32",
                        describe: Callable[[int], str] | None = None,
                        fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       info: DistInfo | None = None) -> tuple[torch.Tensor, ...]:
+                       info: DistInfo | None = None,
+                       log: Callable[[str], None] | None = None) -> tuple[torch.Tensor, ...]:
     """Encode this rank's shard of ``dataset`` (items ``(image tensor, label)``); returns
     ``(indices, targets, outputs)`` with ``outputs = fn(L2-normalised float32 image
-    features)`` (identity when ``fn`` is None). No sample is padded or repeated."""
+    features)`` (identity when ``fn`` is None). No sample is padded or repeated. ``log``
+    (the main rank's): the estimate and progress lines of a long encoding
+    (:class:`ProgressLines`)."""
     info = info or current()
     shard = shard_range(len(dataset), info.rank, info.world_size)
     loader = DataLoader(_Guarded(dataset, shard, describe or (lambda i: f"sample {i}")),
                         batch_size=batch_size, shuffle=False, num_workers=workers,
                         collate_fn=_collate, drop_last=False)
+    lines = ProgressLines(log if info.is_master else None, "encoding", len(shard))
     all_idx, all_tgt, all_out = [], [], []
     for batch in progress(loader, "encoding images", info=info):
         if "errors" in batch:
@@ -87,6 +126,7 @@ def encode_image_shard(model, dataset: Any, device: torch.device, batch_size: in
         all_idx.append(batch["indices"])
         all_tgt.append(batch["targets"])
         all_out.append(out.float().cpu())
+        lines.update(sum(len(i) for i in all_idx), first=len(all_idx) == 1)
     if not all_out:  # an empty shard (more ranks than samples): shapes still line up
         width = fn(torch.zeros(0, _feature_width(model), device=device)).shape[1] if fn else _feature_width(model)
         return (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
@@ -103,13 +143,15 @@ def encode_images_gathered(model, dataset: Any, device: torch.device, batch_size
                            workers: int = 0, precision: str = "fp32",
                            describe: Callable[[int], str] | None = None,
                            fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                           info: DistInfo | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           info: DistInfo | None = None,
+                           log: Callable[[str], None] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank encodes its shard; returns ``(targets, outputs)`` for the whole set in
-    sample order on every rank."""
+    sample order on every rank (``log``: :func:`encode_image_shard`'s)."""
     info = info or current()
     with fail_together(info):
         idx, tgt, out = encode_image_shard(model, dataset, device, batch_size, workers,
-                                           precision, describe, fn, info)
+                                           precision, describe, fn, info, log)
     targets, outputs = gather_rows(idx, tgt, out, info=info)
     if targets.shape[0] != len(dataset):
         raise RuntimeError(f"gathered {targets.shape[0]} rows for {len(dataset)} samples")

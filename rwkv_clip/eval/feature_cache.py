@@ -72,7 +72,7 @@ def cached_features(model, eval_set: ClassificationSet, split: str, cache_dir: s
         log(f"{eval_set.name} {split}: encoding {len(eval_set)} images")
     targets, features = encode_images_gathered(model, eval_set.dataset, device, batch_size,
                                                workers, precision, describe=eval_set.describe,
-                                               info=info)
+                                               info=info, log=log)
     if info.is_master:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")

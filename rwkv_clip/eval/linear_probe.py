@@ -64,20 +64,35 @@ def split_train_val(targets: torch.Tensor, val_proportion: float, seed: int
     return torch.cat(fit).sort().values, torch.cat(val).sort().values
 
 
-def select_fewshot(targets: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+def select_fewshot(targets: torch.Tensor, k: int, seed: int,
+                   classnames: Sequence[str] | None = None) -> torch.Tensor:
     """Indices of ``k`` samples of every class, drawn with ``seed``; a class with fewer
-    is an error (CLIP_benchmark: 'insufficient data')."""
+    is an error (CLIP_benchmark: 'insufficient data') that names the largest k that fits."""
     g = torch.Generator().manual_seed(int(seed))
     chosen, short = [], []
+    counts = {}
     for c in torch.unique(targets).tolist():
         members = (targets == c).nonzero().view(-1)
+        counts[c] = members.numel()
         if members.numel() < k:
-            short.append(f"class {c}: {members.numel()}")
+            name = classnames[c] if classnames is not None and c < len(classnames) else f"class {c}"
+            short.append(f"{name}: {members.numel()}")
         chosen.append(members[torch.randperm(members.numel(), generator=g)[:k]])
     if short:
-        raise EvalError(f"--fewshot-k {k}: too few training samples in {len(short)} "
-                        f"class(es) ({', '.join(short[:5])})")
+        raise EvalError(f"--fewshot-k {k}: too few training samples after the held-out part "
+                        f"in {len(short)} class(es) ({', '.join(short[:5])}"
+                        f"{', ...' if len(short) > 5 else ''}); use --fewshot-k "
+                        f"{min(counts.values())} or less")
     return torch.cat(chosen).sort().values
+
+
+def check_fewshot(targets: torch.Tensor, k: int, val_proportion: float, seed: int,
+                  classnames: Sequence[str] | None = None) -> None:
+    """Raise :func:`select_fewshot`'s error now when ``k`` per class will not fit the
+    train split of ``targets`` once its held-out part is set aside (before any encoding)."""
+    if k > 0:
+        fit_idx, _ = split_train_val(targets, val_proportion, seed)
+        select_fewshot(targets[fit_idx], k, seed, classnames)
 
 
 def fit_logistic(train: Features, C: float, seed: int = 0):
@@ -188,7 +203,7 @@ def evaluate_linear_probe(model, dataset: str, data_root, input_size: int,
     default one."""
     from .distributed import current, fail_together
     from .feature_cache import cached_features, default_feature_dir, weights_fingerprint
-    from .probe_data import probe_splits
+    from .probe_data import dataset_targets, probe_splits
     from .transforms import eval_transform
     from .zeroshot import unwrap_model
 
@@ -198,9 +213,13 @@ def evaluate_linear_probe(model, dataset: str, data_root, input_size: int,
     model = unwrap_model(model)
     transform = eval_transform(dataset, input_size)
     train_set, test_set = probe_splits(dataset, data_root, transform, builtin=builtin)
+    targets = dataset_targets(train_set.dataset)
+    if targets is not None:  # a --fewshot-k too large fails before anything is encoded
+        check_fewshot(targets, fewshot_k, val_proportion, seed, test_set.classnames)
     if log is not None:
         log(f"{train_set.name}: linear probe, {len(train_set)} train / {len(test_set)} test "
-            f"images, {test_set.num_classes} classes")
+            f"images, {test_set.num_classes} classes: encoding both splits (unless cached, "
+            f"the estimate follows the first batch), then fitting")
     fingerprint = weights_fingerprint(model)
     root = (builtin.root if builtin is not None else "builtin") if dataset == "builtin" else \
         str(Path(data_root).resolve())

@@ -10,7 +10,9 @@ import functools
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch.utils.data import ConcatDataset, Dataset
 
 from ..errors import EvalError
@@ -80,6 +82,24 @@ class BuiltinTrainImages(Dataset):
         with Image.open(io.BytesIO(data)) as raw:
             img = raw.convert("RGB")
         return (self.transform(img) if self.transform else img), self.labels[int(key)]
+
+
+def dataset_targets(dataset: Any) -> torch.Tensor | None:
+    """The class of every sample, read without decoding an image (the built-in images,
+    image lists, torchvision's sets); None when the dataset does not say."""
+    if isinstance(dataset, BuiltinTrainImages):
+        return torch.tensor([dataset.labels[int(k)] for k in dataset.reader.keys])
+    if isinstance(dataset, ConcatDataset):
+        parts = [dataset_targets(part) for part in dataset.datasets]
+        return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
+    samples = getattr(dataset, "samples", None)
+    if isinstance(samples, list) and samples and isinstance(samples[0], tuple):
+        return torch.tensor([int(s[1]) for s in samples])
+    for attr in ("targets", "_labels", "labels", "y"):
+        values = getattr(dataset, attr, None)
+        if values is not None and len(values) == len(dataset):
+            return torch.as_tensor([int(v) for v in values])
+    return None
 
 
 def builtin_splits(transform, builtin=None) -> tuple[ClassificationSet, ClassificationSet]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,8 +204,10 @@ def encode_texts_sharded(model, texts: Sequence[str], device: torch.device, batc
 def evaluate_retrieval(model, rset: RetrievalSet, transform, device: torch.device | str,
                        batch_size: int = 64, workers: int = 0, precision: str = "fp32",
                        text_batch_size: int = 256, ks: Sequence[int] = (1, 5, 10),
-                       info: DistInfo | None = None) -> dict:
-    """Recall@k both ways plus ``num_images``/``num_texts``; same on every rank."""
+                       info: DistInfo | None = None,
+                       log: Callable[[str], None] | None = None) -> dict:
+    """Recall@k both ways plus ``num_images``/``num_texts``; same on every rank (``log``:
+    the estimate and progress lines of a long image encoding)."""
     device = torch.device(device)
     from ..checkpoint_files import unwrap_model
     info = info or current()
@@ -215,7 +217,8 @@ def evaluate_retrieval(model, rset: RetrievalSet, transform, device: torch.devic
     try:
         images = ImageListDataset([(p, i) for i, p in enumerate(rset.image_paths)], transform)
         _, img_feats = encode_images_gathered(model, images, device, batch_size, workers, precision,
-                                              describe=lambda i: rset.image_paths[i], info=info)
+                                              describe=lambda i: rset.image_paths[i], info=info,
+                                              log=log)
         txt_feats = encode_texts_sharded(model, rset.captions, device, text_batch_size, precision, info)
     finally:
         model.train(was_training)

@@ -218,7 +218,8 @@ def _run(opts, info: DistInfo, watch: faults.PeerWatch | None = None) -> list[di
               f"{compute if compute == 'fp32' else compute + ' autocast'}{note}, "
               f"{info.world_size} process(es)")
     common = dict(device=device, batch_size=opts.batch_size, workers=opts.workers,
-                  precision=compute, text_batch_size=opts.text_batch_size, info=info)
+                  precision=compute, text_batch_size=opts.text_batch_size, info=info,
+                  log=lambda msg: log(info, msg))
     records = []
     written: list[Path] = []
     current = {"set": ""}

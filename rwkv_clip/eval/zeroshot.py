@@ -5,7 +5,7 @@ or counted twice, in one process or sharded over torchrun ranks.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,14 +46,17 @@ def build_classifier(model, classnames: Sequence[str], templates: Sequence[str],
 @torch.no_grad()
 def classification_logits(model, eval_set: ClassificationSet, classifier: torch.Tensor,
                           device: torch.device | str, batch_size: int = 64, workers: int = 0,
-                          precision: str = "fp32", info: DistInfo | None = None
+                          precision: str = "fp32", info: DistInfo | None = None,
+                          log: Callable[[str], None] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits (N, num_classes) float32, targets (N,)) for the whole set on every rank."""
+    """(logits (N, num_classes) float32, targets (N,)) for the whole set on every rank
+    (``log``: the estimate and progress lines of a long encoding)."""
     device = torch.device(device)
     classifier = classifier.float().to(device)
     targets, logits = encode_images_gathered(
         model, eval_set.dataset, device, batch_size, workers, precision,
-        describe=eval_set.describe, fn=lambda f: LOGIT_SCALE * f @ classifier, info=info)
+        describe=eval_set.describe, fn=lambda f: LOGIT_SCALE * f @ classifier, info=info,
+        log=log)
     return logits, targets
 
 
@@ -74,12 +77,12 @@ def class_probabilities(model, logits: torch.Tensor) -> torch.Tensor:
 
 def evaluate_classification(model, eval_set: ClassificationSet, device: torch.device | str,
                             batch_size: int = 64, workers: int = 0, precision: str = "fp32",
-                            text_batch_size: int = 256, info: DistInfo | None = None
-                            ) -> dict:
+                            text_batch_size: int = 256, info: DistInfo | None = None,
+                            log: Callable[[str], None] | None = None) -> dict:
     """Metrics of ``model`` on ``eval_set``: ``acc1``, ``acc5``, ``mean_per_class_recall``
     plus ``headline`` (the paper's metric for this set), ``headline_metric`` and
     ``num_samples``. Runs sharded when a process group is up; every rank returns the
-    same result."""
+    same result. ``log``: the estimate and progress lines of a long encoding."""
     info = info or current()
     model = unwrap_model(model)
     was_training = model.training
@@ -88,7 +91,7 @@ def evaluate_classification(model, eval_set: ClassificationSet, device: torch.de
         classifier = build_classifier(model, eval_set.classnames, eval_set.templates, device,
                                       text_batch_size, precision)
         logits, targets = classification_logits(model, eval_set, classifier, device,
-                                                 batch_size, workers, precision, info)
+                                                 batch_size, workers, precision, info, log)
     finally:
         model.train(was_training)
     metrics: dict[str, Any] = dict(classification_metrics(logits, targets, eval_set.num_classes))
