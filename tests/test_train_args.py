@@ -178,7 +178,7 @@ def test_batch_larger_than_the_data_is_one_line_error(tmp_path, capsys, fmt):
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"train.py: error: --batch-size 8 x 1 rank(s) needs at least 8 training "
-                   f"pairs per rank, got 6 in {name}; lower --batch-size"]
+                   f"pairs per rank, got 6 in {name}; lower --batch-size to 6 or less"]
     assert not list((tmp_path / "out").rglob("*.pt"))  # refused before any step
 
 
@@ -193,7 +193,7 @@ def test_accumulated_batch_larger_than_the_data_is_refused(tmp_path):
     argv = tiny_argv(tmp_path / "out", data, "--batch-size", "4", "--gradient-acc", "4")
     with pytest.raises(TrainArgsError, match=r"^--batch-size 4 x --gradient-acc 4 x 1 rank\(s\) "
                        r"needs at least 16 training pairs per rank, got 14 in .*tiny\.rec; "
-                       r"lower --batch-size or --gradient-acc$"):
+                       r"lower --batch-size to 3 or less or --gradient-acc$"):
         main(parse_args(argv))
 
 
@@ -222,8 +222,8 @@ def test_batch_against_a_rank_share(tmp_path):
             check_batch_fits(loader, args, info, "tiny.rec")
             continue
         with pytest.raises(TrainArgsError, match=r"needs at least 6 training pairs per rank, "
-                           r"got 5 \(10 over 2 ranks\) in tiny\.rec; lower --batch-size or "
-                           r"use fewer ranks$"):
+                           r"got 5 \(10 over 2 ranks\) in tiny\.rec; lower --batch-size to 5 "
+                           r"or less or use fewer ranks$"):
             check_batch_fits(loader, args, info, "tiny.rec")
 
 
@@ -249,3 +249,22 @@ def test_mistyped_flags_get_a_did_you_mean(argv, suggestion, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1, err
     assert suggestion in err and (suggestion != " (train.py --help" or "did you" not in err)
+
+
+def test_a_small_set_under_the_default_batch_names_the_default_and_a_batch_that_fits(
+        tmp_path, capsys):
+    """docs/own-data.md's case: a set smaller than the default batch of 64, --batch-size
+    never typed: the message says the 64 is the default and which value fits."""
+    from train_util import make_tiny_rec, tiny_argv
+
+    from rwkv_clip.train import cli
+    data = make_tiny_rec(tmp_path / "data", n=6)
+    argv = tiny_argv(tmp_path / "out", data)
+    i = argv.index("--batch-size")
+    del argv[i:i + 2]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "train.py: error: --batch-size 64 (the default) x 1 rank(s) needs at least 64 "), err
+    assert err[0].endswith("got 6 in " + str(tmp_path / "data" / "tiny.rec")
+                           + "; lower --batch-size to 6 or less"), err

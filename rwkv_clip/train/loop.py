@@ -460,7 +460,10 @@ def locate_train_data(args, info: DistInfo, log) -> tuple[str, str, str | None, 
         ensure_builtin_dataset(root=args.builtin_root)
     barrier(info)
     builtin = ensure_builtin_dataset(root=args.builtin_root)
-    log.info(f"built-in dataset: {builtin.num_train} training pairs at {builtin.root}")
+    tuning = (" (a fine-tune of your pairs needs --train-data)"
+              if getattr(args, "pretrained", None) else "")
+    log.info(f"built-in dataset (no --train-data given): {builtin.num_train} training pairs "
+             f"at {builtin.root}{tuning}")
     return (builtin.train_prefix, "rec", args.zero_shot_data or builtin.zeroshot_dir,
             builtin.shifted_dir)
 
@@ -495,9 +498,13 @@ def check_batch_fits(loader, args, info: DistInfo, where: str) -> None:
         return
     spread = f" ({pairs} over {world} ranks)" if world > 1 else ""
     acc = f" x --gradient-acc {k}" if k > 1 else ""
-    lower = "--batch-size" + (" or --gradient-acc" if k > 1 else "")
+    typed = getattr(args, "explicit", None)
+    default = " (the default)" if typed is not None and "batch_size" not in typed else ""
+    fit = per_rank // k  # the largest batch these pairs fill
+    lower = "--batch-size" + (f" to {fit} or less" if fit else "") + (
+        " or --gradient-acc" if k > 1 else "")
     raise TrainArgsError(
-        f"--batch-size {args.batch_size}{acc} x {world} rank(s) needs at least {need} "
+        f"--batch-size {args.batch_size}{default}{acc} x {world} rank(s) needs at least {need} "
         f"training pairs per rank, got {per_rank}{spread} in {where}; lower {lower}"
         + (" or use fewer ranks" if world > 1 else ""))
 
