@@ -1,0 +1,108 @@
+"""The tables of figures in docs/ equal the tool or the committed JSON they quote, so a
+change to the code behind them (or a hand edit) fails here instead of leaving a stale
+table: docs/lora.md's "what fits" against the memory planner's command on the page,
+docs/losses.md's CLIP-vs-SigLIP table against docs/results/losses_builtin.json (written
+by the command on the page), and the linear-probe page's built-in counts against the
+built-in set's definition."""
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import shlex
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+def _page(name: str) -> str:
+    return (REPO / "docs" / name).read_text()
+
+
+def _commands(text: str) -> list[str]:
+    return [" ".join(line.split()) for lang, body in FENCE.findall(text) if lang == "bash"
+            for line in re.sub(r"\\\n\s*", " ", body).splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
+def _table(text: str, header_start: str) -> tuple[list[str], list[list[str]]]:
+    """(header cells, rows of cells) of the markdown table whose header starts so."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    header = [cell.strip() for cell in lines[start].strip().strip("|").split("|")]
+    return header, rows
+
+
+def test_lora_page_what_fits_is_the_planners_output(capsys):
+    """Every cell of docs/lora.md's per-card table is what the command above it prints."""
+    from rwkv_clip.memory.cli import main
+
+    text = _page("lora.md")
+    command = next(c for c in _commands(text) if "rwkv_clip.memory" in c)
+    argv = shlex.split(command)[3:]
+    assert main([*argv, "--json"]) == 0
+    by_mode = json.loads(capsys.readouterr().out)["max_batch_by_mode"]
+    header, rows = _table(text, "| card |")
+    assert header[1:] == list(by_mode), (header, list(by_mode))
+    assert [row[0] for row in rows] == list(next(iter(by_mode.values())))
+    for row in rows:
+        for mode, cell in zip(header[1:], row[1:], strict=True):
+            assert int(cell) == by_mode[mode][row[0]], (row[0], mode, cell)
+    precision = argv[argv.index("--precision") + 1]
+    assert f"in {precision} without activation checkpointing" in " ".join(text.split())
+    assert "--checkpointing" not in argv
+
+
+def test_losses_page_table_is_the_committed_json():
+    """docs/losses.md's CLIP-vs-SigLIP rows: the runs' flags and figures as the JSON that
+    the page's command writes holds them, and the run's description (steps, batch)."""
+    text = _page("losses.md")
+    command = next(c for c in _commands(text) if "compare_losses.py" in c)
+    argv = shlex.split(command)
+    out = REPO / argv[argv.index("--out") + 1]
+    steps = int(argv[argv.index("--max-steps") + 1])
+    runs = json.loads(out.read_text())
+    assert f"]({out.relative_to(REPO / 'docs')})" in text  # the page links the JSON
+    header, rows = _table(text, "| loss |")
+    assert header == ["loss", "zero-shot top-1", "top-5", "last loss"]
+    assert len(rows) == len(runs) == 2
+    for row, (name, run) in zip(rows, runs.items(), strict=True):
+        shown = re.search(r"`python train.py ([^`]*)`", row[0])
+        assert shown and shlex.split(shown.group(1)) == run["argv"], (row[0], run["argv"])
+        assert row[0].startswith({"clip": "CLIP (", "siglip": "SigLIP ("}[name])
+        assert run["steps"] == steps and run["argv"][-2:] == ["--max-steps", str(steps)]
+        assert row[1] == f"{100 * run['zero_shot_top1']:.1f}%"
+        assert row[2] == f"{100 * run['zero_shot_top5']:.1f}%"
+        assert row[3] == f"{run['last_loss']:.2f}"
+    first = next(iter(runs.values()))
+    text = " ".join(text.split())  # the prose, its line breaks aside
+    assert all(r["batch_size"] == first["batch_size"] and r["seed"] == first["seed"]
+               for r in runs.values())
+    assert f"{steps} steps of {first['batch_size']} pairs" in text
+    assert f"at batch {first['batch_size']} favours" in text
+    assert f"{first['num_classes']} classes, chance {100 / first['num_classes']:.1f}%" in text
+    assert f"the {first['config'].removeprefix('RWKV_CLIP_')} config" in text
+
+
+def test_linear_probe_page_counts_are_the_builtin_sets():
+    """The built-in probe's train split is every built-in training image and its test split
+    the held-out folder: the page's count and its example JSON say the same numbers."""
+    from rwkv_clip.data.builtin import class_names, ensure_builtin_dataset
+
+    defaults = inspect.signature(ensure_builtin_dataset).parameters
+    num_train = defaults["num_train"].default
+    num_test = len(class_names()) * defaults["zeroshot_per_class"].default
+    text = _page("linear-probe-and-validation.md")
+    header, rows = _table(text, "| `--dataset` |")
+    builtin = next(row for row in rows if row[0].startswith("`builtin`"))
+    assert f"the {num_train:,} built-in training images" in builtin[1], builtin
+    assert f"({len(class_names())} classes)" in builtin[2], builtin
+    example = next(json.loads(body) for lang, body in FENCE.findall(text) if lang == "json"
+                   and '"linear_probe"' in body)
+    assert example["num_train"] == num_train and example["num_samples"] == num_test
