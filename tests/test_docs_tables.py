@@ -103,6 +103,9 @@ def test_linear_probe_page_counts_are_the_builtin_sets():
     builtin = next(row for row in rows if row[0].startswith("`builtin`"))
     assert f"the {num_train:,} built-in training images" in builtin[1], builtin
     assert f"({len(class_names())} classes)" in builtin[2], builtin
+    prose = " ".join(text.split())
+    assert (f"encodes {num_train + num_test:,} images (the {num_train:,} training images "
+            f"and the {num_test} held-out ones)") in prose
     example = next(json.loads(body) for lang, body in FENCE.findall(text) if lang == "json"
                    and '"linear_probe"' in body)
     assert example["num_train"] == num_train and example["num_samples"] == num_test
