@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint_files import save_state_dict
-from .errors import CheckpointError, ConfigError, run_cli
+from .errors import CheckpointError, ConfigError, OneLineArgumentParser, run_cli
 
 
 def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None,
@@ -50,7 +50,7 @@ FORMATS = ("pt", "safetensors", "onnx", "hub")
 
 
 def build_export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="python -m rwkv_clip.export",
         description="Write the model's plain state dict (the original's key names and "
                     "dtypes) from a training checkpoint or any loadable weights file, or "

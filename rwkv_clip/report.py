@@ -6,7 +6,6 @@ runs/default`` redraws it at any time.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from .distributed import model_device
-from .errors import EvalError, run_cli
+from .errors import EvalError, OneLineArgumentParser, run_cli
 
 REPORT_NAME = "report.png"
 PREDICTIONS_NAME = "predictions.json"
@@ -416,7 +415,7 @@ def write_report(run_dir: str | os.PathLike, model=None, zero_shot_dir: str | No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rwkv_clip.report",
+    p = OneLineArgumentParser(prog="python -m rwkv_clip.report",
                                 description="Redraw RUN_DIR/report.png from the run's "
                                             "training.log and predictions.")
     p.add_argument("run_dir", help="a train.py --output folder (e.g. runs/default)")
