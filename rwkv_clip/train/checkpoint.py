@@ -275,9 +275,9 @@ def take_run_settings(ckpt: dict[str, Any], args, path) -> dict[str, Any]:
         taken[key] = old
     if by_config:
         conflicts.append(f"--config {args.config} gives another model than the checkpoint's "
-                         f"({', '.join(by_config)}): leave --config out to resume the "
-                         "checkpoint's model, or start a new run in another --output with "
-                         f"--pretrained {path}")
+                         f"(config vs checkpoint: {', '.join(by_config)}): leave --config out "
+                         "to resume the checkpoint's model, or start a new run in another "
+                         f"--output with --pretrained {path}")
     if conflicts:
         raise ResumeError(f"--resume {path}: " + "; ".join(conflicts))
     if "precision" in model:
