@@ -109,3 +109,10 @@ def test_linear_probe_page_counts_are_the_builtin_sets():
     example = next(json.loads(body) for lang, body in FENCE.findall(text) if lang == "json"
                    and '"linear_probe"' in body)
     assert example["num_train"] == num_train and example["num_samples"] == num_test
+
+
+def test_lora_page_fine_tunes_on_named_data():
+    """The page's fine-tune names its data: without --train-data train.py would fine-tune
+    on the built-in set."""
+    commands = [c for c in _commands(_page("lora.md")) if c.startswith("python train.py")]
+    assert commands and all("--train-data" in shlex.split(c) for c in commands), commands
