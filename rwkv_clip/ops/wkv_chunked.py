@@ -8,6 +8,8 @@ nothing overflows however strong the decay. The algorithm: docs/wkv.md.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -203,12 +205,18 @@ def _config(r: Tensor, u: Tensor):
     return B, T, C, H, N, blk, prec, grid
 
 
+def _on_device(x: Tensor):
+    """Launch on the inputs' GPU (CPU tensors: the Triton interpreter)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def forward(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor) -> Tensor:
     """y (float32, (B, T, C)) of the bidirectional WKV6; inputs contiguous, on one device."""
     B, T, C, H, N, blk, prec, grid = _config(r, u)
     part = torch.empty((2 * (N // blk), B, T, C), dtype=torch.float32, device=r.device)
-    _wkv_fwd_kernel[grid](r, k, v, w, u, part, B, T, H, N=N, L=CHUNK, BK=blk, BV=blk,
-                          PREC=prec)
+    with _on_device(r):
+        _wkv_fwd_kernel[grid](r, k, v, w, u, part, B, T, H, N=N, L=CHUNK, BK=blk, BV=blk,
+                              PREC=prec)
     return part.sum(0)
 
 
@@ -225,10 +233,11 @@ def backward(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor, gy: Tensor
     gr_part = torch.empty((2, nb, B, T, C), dtype=torch.float32, device=dev)
     gk_part = torch.empty((2, nb, B, T, C), dtype=torch.float32, device=dev)
     gv_part = torch.empty((2, nb, B, T, C), dtype=torch.float32, device=dev)
-    _wkv_bwd_r_kernel[grid](k, v, w, gy, gr_part, B, T, H, N=N, L=CHUNK, BK=blk, BV=blk,
-                            PREC=prec)
-    _wkv_bwd_kv_kernel[grid](r, k, v, w, gy, gk_part, gv_part, B, T, H, N=N, L=CHUNK,
-                             BK=blk, BV=blk, PREC=prec)
+    with _on_device(r):
+        _wkv_bwd_r_kernel[grid](k, v, w, gy, gr_part, B, T, H, N=N, L=CHUNK, BK=blk, BV=blk,
+                                PREC=prec)
+        _wkv_bwd_kv_kernel[grid](r, k, v, w, gy, gk_part, gv_part, B, T, H, N=N, L=CHUNK,
+                                 BK=blk, BV=blk, PREC=prec)
     shape = (B, T, H, N)
     gr_c, gr_a = gr_part.sum(1).view(2, *shape).unbind(0)
     gk_c, gk_a = gk_part.sum(1).view(2, *shape).unbind(0)
