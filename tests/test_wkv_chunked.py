@@ -10,6 +10,7 @@ implementation with CPU tensors, and report their errors as JSON.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -137,6 +138,27 @@ def test_chunked_empty_batch_launches_nothing(monkeypatch):
     grads = kernels._wkv6_backward_cuda(r, r, r, r, u, torch.zeros(0, 5, 64),
                                         cuda_variant="chunked")
     assert [g.shape for g in grads] == [r.shape] * 4 + [u.shape]
+
+
+
+def test_bench_wkv_times_the_sdpa_yardstick_beside_the_wkv(capsys):
+    """scripts/bench_wkv.py: ``sdpa`` (flash attention at head size 64, no float64 check)
+    timed beside a checked WKV backend in one JSON; ``--shapes issue47`` names the targets."""
+    spec = importlib.util.spec_from_file_location("bench_wkv", REPO / "scripts" / "bench_wkv.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.parse_shapes("issue47") == [(256, 49, 8, 80), (256, 77, 10, 64),
+                                             (256, 196, 8, 80), (4, 3136, 12, 64),
+                                             (1, 5000, 12, 64)]
+    rc = bench.main(["--device", "cpu", "--dtype", "bf16", "--backends", "reference,sdpa",
+                     "--shapes", "1,5,2,80", "--warmup", "0", "--repeats", "1", "--threads", "1"])
+    result = json.loads(capsys.readouterr().out)
+    assert rc == 0 and result["all_checks_passed"]
+    backends = result["shapes"][0]["backends"]
+    assert backends["reference"]["check_passed"]
+    assert backends["sdpa"]["head_size"] == 64 and "max_rel_err" not in backends["sdpa"]
+    assert backends["sdpa"]["fwd_ms"] > 0 and backends["sdpa"]["fwd_bwd_ms"] > 0
 
 
 if __name__ == "__main__":  # the subprocess of test_chunked_matches_float64_reference
