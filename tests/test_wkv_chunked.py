@@ -55,9 +55,8 @@ def reference_grads(inputs, gy):
 
 def max_errors(ours, refs, inputs):
     """Max |error| of y and each gradient relative to the largest reference value. gw's
-    scale is at least that of the terms it is summed from (e^w k gk): with T = 2 no token
-    lies between two others and the exact gw is 0, which the identity reproduces only to
-    rounding."""
+    scale is at least that of the terms it is summed from (e^w k gk): where the exact gw is
+    tiny next to them, the identity reproduces it only to their rounding."""
     w = inputs[3].double()
     errs = {}
     for name, a, b in zip("yrkvwu", ours, refs, strict=True):

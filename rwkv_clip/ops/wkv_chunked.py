@@ -257,4 +257,7 @@ def backward(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor, gy: Tensor
     between[:, :-1] += after[:, 1:]
     between[:, 1:] += before[:, :-1]
     gw = -torch.exp(wf) * (between - kgk_c - kgk_a)
+    # the first and last tokens lie between no pair: exactly 0, not a rounding residue
+    gw[:, 0] = 0
+    gw[:, -1] = 0
     return tuple(g.view(B, T, C) if g.dim() == 4 else g for g in (gr, gk, gv, gw, gu))  # type: ignore[return-value]
