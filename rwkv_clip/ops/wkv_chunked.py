@@ -260,4 +260,4 @@ def backward(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor, gy: Tensor
     # the first and last tokens lie between no pair: exactly 0, not a rounding residue
     gw[:, 0] = 0
     gw[:, -1] = 0
-    return tuple(g.view(B, T, C) if g.dim() == 4 else g for g in (gr, gk, gv, gw, gu))  # type: ignore[return-value]
+    return gr.view(B, T, C), gk.view(B, T, C), gv.view(B, T, C), gw.view(B, T, C), gu
