@@ -140,6 +140,20 @@ def test_chunked_empty_batch_launches_nothing(monkeypatch):
 
 
 
+def test_chunked_variant_traces_with_fake_cuda_tensors():
+    """The op's fake kernels serve the chunked variant: shapes and dtypes of y and the five
+    gradients on (fake) CUDA tensors, nothing launched, as torch.compile traces it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        r = torch.empty(2, 5, 160, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(2, 5, 160, device="cuda")
+        u = torch.empty(2, 80, device="cuda", dtype=torch.bfloat16)
+        y = kernels.run_native("cuda", r, r, r, w, u, variant="chunked")
+        grads = torch.ops.rwkv_clip.wkv6_backward(r, r, r, w, u, y, "chunked")
+        assert (y.shape, y.dtype, y.device.type) == (r.shape, torch.float32, "cuda")
+        assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (r, r, r, w, u)]
+
+
 def test_bench_wkv_times_the_sdpa_yardstick_beside_the_wkv(capsys):
     """scripts/bench_wkv.py: ``sdpa`` (flash attention at head size 64, no float64 check)
     timed beside a checked WKV backend in one JSON; ``--shapes issue47`` names the targets."""
