@@ -21,6 +21,9 @@ CHUNK = 16  # tokens per chunk: the smallest tile tl.dot takes, so the exponents
 # products of fp32 operands on tensor cores: each operand split into two tf32 parts, three
 # products, about fp32's accuracy (plain tf32 would leave 1e-3 errors in y)
 DOT_PRECISION = "tf32x3"
+# one compiled kernel for every batch size, length and head count (Triton would otherwise
+# compile again for sizes of 1 and multiples of 16)
+_SIZES = ["B", "T", "H"]
 
 
 def channel_block(N: int) -> int:
@@ -57,7 +60,7 @@ def _strict_lower_decay(P, Px, tau_local):
     return tl.where(before[:, :, None], W, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _wkv_fwd_kernel(r_ptr, k_ptr, v_ptr, w_ptr, u_ptr, y_ptr, B, T, H,
                     N: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     PREC: tl.constexpr):
@@ -105,7 +108,7 @@ def _wkv_fwd_kernel(r_ptr, k_ptr, v_ptr, w_ptr, u_ptr, y_ptr, B, T, H,
         S = S * tl.exp(Ptot)[:, None] + tl.dot(tl.trans(kd), v, input_precision=PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _wkv_bwd_r_kernel(k_ptr, v_ptr, w_ptr, gy_ptr, gr_ptr, B, T, H,
                       N: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       PREC: tl.constexpr):
@@ -145,7 +148,7 @@ def _wkv_bwd_r_kernel(k_ptr, v_ptr, w_ptr, gy_ptr, gr_ptr, B, T, H,
         S = S * tl.exp(Ptot)[:, None] + tl.dot(tl.trans(kd), v, input_precision=PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _wkv_bwd_kv_kernel(r_ptr, k_ptr, v_ptr, w_ptr, gy_ptr, gk_ptr, gv_ptr, B, T, H,
                        N: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        PREC: tl.constexpr):
