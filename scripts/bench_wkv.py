@@ -11,12 +11,20 @@ port-faithful CUDA kernel on GPU, measured in the same run.
 
 Defaults: on GPU the real shapes (256, 49, 8, 80), (256, 77, 10, 64), (256, 196, 8, 80)
 with backends cuda-faithful and cuda-fast; on CPU scaled-down shapes (16, 77, 10, 64),
-(16, 49, 8, 80), (4, 196, 8, 80) with backends reference and cpu.
+(16, 49, 8, 80), (4, 196, 8, 80) with backends reference and cpu. ``--shapes issue47``
+is the four shapes of the chunked kernel's targets (the three above and (4, 3136, 12, 64))
+plus (1, 5000, 12, 64) for the float64 check of a long sequence.
+
+Backend ``sdpa`` is a yardstick, not a WKV: PyTorch's scaled_dot_product_attention with
+the flash backend, forward + backward, at the same (B, T, H) with head size 64 (bf16/fp16
+only; no float64 check, it computes something else).
 
     python scripts/bench_wkv.py                       # defaults for this machine
     python scripts/bench_wkv.py --device cpu --shapes 16,77,10,64
     python scripts/bench_wkv.py --device cuda --dtype bf16
     python scripts/bench_wkv.py --threads 1 --clock cpu   # on a busy shared machine
+    python scripts/bench_wkv.py --device cuda --dtype bf16 --shapes issue47 \
+        --backends cuda-chunked,cuda-fast,cuda-faithful,fla-chunk,sdpa
 
 ``--clock cpu`` times with the calling thread's CPU clock (``time.thread_time``), which
 other processes on a shared machine do not inflate; it needs ``--threads 1`` (the kernel
@@ -42,6 +50,8 @@ from rwkv_clip.ops import wkv6_bidirectional, wkv6_bidirectional_reference
 
 GPU_SHAPES = [(256, 49, 8, 80), (256, 77, 10, 64), (256, 196, 8, 80)]
 CPU_SHAPES = [(16, 77, 10, 64), (16, 49, 8, 80), (4, 196, 8, 80)]
+ISSUE47_SHAPES = GPU_SHAPES + [(4, 3136, 12, 64), (1, 5000, 12, 64)]
+SDPA_HEAD_SIZE = 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -58,6 +68,20 @@ def make_backend(name: str):
         from fla_anchor import make_fla_backend
         return make_fla_backend(name)
     raise SystemExit(f"unknown backend {name!r}")
+
+
+def time_sdpa(B, T, H, device, dtype, warmup, repeats, clock=time.perf_counter):
+    """Flash attention forward and forward + backward at (B, T, H, 64): the yardstick."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator().manual_seed(0)
+    q, k, v, gy = (torch.randn(B, H, T, SDPA_HEAD_SIZE, generator=g).to(device, dtype)
+                   for _ in range(4))
+
+    def attn(*xs):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(*xs)
+    rec = time_backend(attn, [q, k, v], gy, device, warmup, repeats, clock)
+    return {"head_size": SDPA_HEAD_SIZE, "backend": "flash", **rec}
 
 
 def make_inputs(B, T, H, N, device, dtype, seed=0):
@@ -106,7 +130,7 @@ def time_backend(fn, inputs, gy, device, warmup, repeats, clock=time.perf_counte
 
     def fwd_bwd():
         y = fn(*xs)
-        torch.autograd.grad(y, xs, gy)
+        torch.autograd.grad(y, xs, gy, allow_unused=True)
 
     out = {}
     for key, f in (("fwd_ms", fwd), ("fwd_bwd_ms", fwd_bwd)):
@@ -124,6 +148,8 @@ def time_backend(fn, inputs, gy, device, warmup, repeats, clock=time.perf_counte
 
 
 def parse_shapes(text):
+    if text == "issue47":
+        return list(ISSUE47_SHAPES)
     shapes = []
     for part in text.split(";"):
         vals = tuple(int(x) for x in part.replace(" ", "").split(","))
@@ -136,9 +162,11 @@ def parse_shapes(text):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--shapes", help="B,T,H,N[;B,T,H,N...] (default depends on the device)")
+    p.add_argument("--shapes", help="B,T,H,N[;B,T,H,N...] or issue47 (default depends on the "
+                                    "device)")
     p.add_argument("--backends", help="comma list among reference, cpu, cuda-faithful, cuda-fast, "
-                                      "fla-chunk, fla-fused-recurrent, fla-naive (fla_anchor.py)")
+                                      "cuda-chunked, fla-chunk, fla-fused-recurrent, fla-naive "
+                                      "(fla_anchor.py), sdpa (yardstick)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of r, k, v, u")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
@@ -188,8 +216,15 @@ def main(argv=None):
         inputs, gy = make_inputs(B, T, H, N, device, dtype)
         entry = {"B": B, "T": T, "H": H, "N": N, "backends": {}}
         for name in backends:
-            fn = make_backend(name)
             rec = {}
+            if name == "sdpa":
+                try:
+                    rec = time_sdpa(B, T, H, device, dtype, args.warmup, args.repeats, clock)
+                except Exception as e:  # e.g. no flash kernel for fp32 or on this device
+                    rec["error"] = f"{type(e).__name__}: {e}"
+                entry["backends"][name] = rec
+                continue
+            fn = make_backend(name)
             try:
                 errs = check(fn, inputs, gy, min(args.check_batch, B))
                 rec["max_rel_err"] = {k: float(f"{v:.3g}") for k, v in errs.items()}

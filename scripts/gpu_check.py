@@ -451,7 +451,7 @@ def summarize(runner: Runner) -> dict:
     """The figures that matter, pulled out of the steps' results."""
     s = runner.steps
     out: dict = {"parity": {}, "wkv_fwd_bwd_ms": {}, "training": {}, "memory": []}
-    for step in ("wkv_fp32", "wkv_bf16", "wkv_fla_bf16"):
+    for step in ("wkv_fp32", "wkv_bf16", "wkv_chunked_bf16", "wkv_fla_bf16"):
         res = s.get(step, {}).get("result") or {}
         for shape in res.get("shapes", []):
             key = f"({shape['B']},{shape['T']},{shape['H']},{shape['N']})"
@@ -538,6 +538,10 @@ def main(argv: list[str] | None = None) -> int:
                            capture_output=True, text=True, env=env)
     torch_info = last_json(probe.stdout) or {"error": probe.stderr[-1500:]}
     cuda = bool(torch_info.get("available"))
+    # Triton kernels (the chunked WKV, fla's) compile on first use: their cache lives in the
+    # checkout (.cache/ is ignored), so a run can bring it back and the next one reuse it
+    env.setdefault("TRITON_CACHE_DIR", str(REPO / ".cache" / "triton"))
+    env.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # fla's autotuning results too
     runner = Runner(ns.budget, env, ns.rehearse, cuda, ns.timeout_scale)
     runner.steps["wheels"] = wheels
     print(f"== wheels: {wheels['status']} ({len(wheels['installed'])} installed)", file=sys.stderr)
@@ -570,6 +574,18 @@ def main(argv: list[str] | None = None) -> int:
                         "parity vs float64 (y + 5 grads) and fwd+bwd time, fp32 inputs"))
     runner.run(wkv_step("wkv_bf16", "bf16", "cuda-faithful,cuda-fast", 75, "reference,cpu",
                         "parity vs float64 (y + 5 grads) and fwd+bwd time, bf16 inputs"))
+    bench = [sys.executable, str(SCRIPTS / "bench_wkv.py"), "--dtype", "bf16", "--check-batch", "1"]
+    runner.run(Step("wkv_chunked_bf16",
+                    bench + ["--device", "cuda", "--shapes", "issue47", "--warmup", "2",
+                             "--repeats", "10", "--backends",
+                             "cuda-chunked,cuda-fast,cuda-faithful,fla-chunk,sdpa"],
+                    150, cuda=True,
+                    dry=bench + ["--device", "cpu", "--shapes", "1,17,2,64;1,9,2,80",
+                                 "--warmup", "0", "--repeats", "1", "--threads", "1",
+                                 "--backends", "reference,cpu,sdpa"],
+                    why="the chunked Triton kernel against fast, faithful, fla's chunk_rwkv6 "
+                        "(bidirectional) and flash attention (SDPA, N=64) at the four target "
+                        "shapes, float64 check incl. T=5000 (bf16)"))
     # before the anchor, whose Triton kernels compile on first use and can take its timeout
     runner.run(resolution_step("resolution_bf16", 120))
     runner.run(wkv_step("wkv_fla_bf16", "bf16", "cuda-faithful,fla-chunk,fla-fused-recurrent",

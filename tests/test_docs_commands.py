@@ -104,6 +104,8 @@ COMMANDS: dict[str, str] = {
         "help",
     "python scripts/bench_wkv.py --shapes 4,3136,12,64 --backends cuda-faithful,cuda-fast "
     "--dtype bf16 --check-batch 1": "help",
+    "python scripts/bench_wkv.py --device cuda --dtype bf16 --shapes issue47 --backends "
+    "cuda-chunked,cuda-fast,cuda-faithful,fla-chunk,sdpa": "help",
     "python3 -m venv .venv": "help",
     ".venv/bin/pip install torch==2.14.1 torchvision==0.29.1 --index-url "
     '"$TORCH_CU12_INDEX"': "help",

@@ -271,7 +271,7 @@ GPU_SHAPES = [(2, 1, 2, 64), (2, 2, 2, 80), (3, 3, 2, 64), (2, 49, 2, 80), (2, 7
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
-@pytest.mark.parametrize("variant", build.CUDA_VARIANTS)
+@pytest.mark.parametrize("variant", build.CUDA_VARIANTS + build.TRITON_CUDA_VARIANTS)
 @pytest.mark.parametrize("B,T,H,N", GPU_SHAPES)
 def test_cuda_kernel_matches_reference(B, T, H, N, variant):
     inputs = make_inputs(B, T, H, N, seed=T)
@@ -289,7 +289,7 @@ def test_cuda_kernel_matches_reference(B, T, H, N, variant):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
-@pytest.mark.parametrize("variant", build.CUDA_VARIANTS)
+@pytest.mark.parametrize("variant", build.CUDA_VARIANTS + build.TRITON_CUDA_VARIANTS)
 def test_cuda_kernel_bf16_inputs(variant):
     B, T, H, N = 2, 77, 2, 64
     base = make_inputs(B, T, H, N, requires_grad=False)

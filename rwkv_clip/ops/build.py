@@ -31,7 +31,9 @@ from .toolchain import (
 )
 
 CUDA_MAX_HEAD_SIZE = 256
-CUDA_VARIANTS = ("faithful", "fast")
+CUDA_VARIANTS = ("faithful", "fast")  # compiled here (nvcc)
+# Triton kernels (JIT-compiled by Triton on first use, nothing to build here)
+TRITON_CUDA_VARIANTS = ("chunked",)
 # the faster of the two on an H200 (the GPU check: both pass its float64 check)
 DEFAULT_CUDA_VARIANT = "fast"
 CUDA_VARIANT_ENV_VAR = "RWKV_CLIP_WKV_CUDA_VARIANT"
@@ -71,9 +73,9 @@ def reset_env_overrides() -> None:
 
 def resolve_cuda_variant(variant: str | None = None) -> str:
     choice = variant or env_override(CUDA_VARIANT_ENV_VAR) or DEFAULT_CUDA_VARIANT
-    if choice not in CUDA_VARIANTS:
+    if choice not in CUDA_VARIANTS + TRITON_CUDA_VARIANTS:
         raise WKVError(f"rwkv_clip: unknown CUDA WKV variant {choice!r}; expected one of "
-                     f"{CUDA_VARIANTS}")
+                     f"{CUDA_VARIANTS + TRITON_CUDA_VARIANTS}")
     return choice
 
 

@@ -50,10 +50,19 @@ def _cuda_inputs(r, k, v, w, u):
             + [u.float().contiguous()])
 
 
+def _triton_kernel(variant: str):
+    """The module of a Triton variant (``chunked``), imported on first use: Triton's
+    import is not free and the CPU path never needs it."""
+    from . import wkv_chunked
+    return wkv_chunked
+
+
 @wkv6_forward.register_kernel("cuda")
 def _wkv6_forward_cuda(r, k, v, w, u, cuda_variant=DEFAULT_VARIANT):
     if r.numel() == 0:  # an empty batch: a launch of zero blocks is a CUDA error
         return r.new_zeros(r.shape, dtype=torch.float32)
+    if cuda_variant in build.TRITON_CUDA_VARIANTS:
+        return _triton_kernel(cuda_variant).forward(*_cuda_inputs(r, k, v, w, u))
     mod = build.get_cuda_kernel(u.shape[1], cuda_variant)
     with torch.cuda.device(r.device):
         return mod.forward(*_cuda_inputs(r, k, v, w, u))
@@ -80,9 +89,13 @@ def _wkv6_backward_fake(r, k, v, w, u, gy, cuda_variant=DEFAULT_VARIANT):
 def _wkv6_backward_cuda(r, k, v, w, u, gy, cuda_variant=DEFAULT_VARIANT):
     if r.numel() == 0:
         return tuple(x.new_zeros(x.shape) for x in (r, k, v, w, u))
-    mod = build.get_cuda_kernel(u.shape[1], cuda_variant)
-    with torch.cuda.device(r.device):
-        grads = mod.backward(*_cuda_inputs(r, k, v, w, u), gy.float().contiguous())
+    if cuda_variant in build.TRITON_CUDA_VARIANTS:
+        grads = _triton_kernel(cuda_variant).backward(*_cuda_inputs(r, k, v, w, u),
+                                                      gy.float().contiguous())
+    else:
+        mod = build.get_cuda_kernel(u.shape[1], cuda_variant)
+        with torch.cuda.device(r.device):
+            grads = mod.backward(*_cuda_inputs(r, k, v, w, u), gy.float().contiguous())
     return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (r, k, v, w, u), strict=True))
 
 
@@ -108,12 +121,15 @@ def run_native(backend: str, r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tens
     """Run the native kernel of ``backend`` ("cpu" or "cuda"); returns float32 (B, T, C).
 
     ``variant`` picks the CUDA kernel (default: ``$RWKV_CLIP_WKV_CUDA_VARIANT``, read
-    once, else "faithful")."""
+    once, else the default, ``fast``)."""
     if backend == "cpu":
         return wkv6_forward(r, k, v, w, u)
     if backend == "cuda":
         variant = build.resolve_cuda_variant(variant)
-        build.check_cuda_head_size(u.shape[1])  # a WKVError before any build
+        if variant in build.TRITON_CUDA_VARIANTS:
+            _triton_kernel(variant).channel_block(u.shape[1])  # a WKVError before any launch
+        else:
+            build.check_cuda_head_size(u.shape[1])  # a WKVError before any build
         return wkv6_forward(r, k, v, w, u, variant)
     raise WKVError(f"run_native: no native kernel for backend {backend!r}; expected 'cpu' or "
                    "'cuda'")
