@@ -146,3 +146,24 @@ def test_b32_beside_open_clip_vit_b32(repo_root):
     row = json.loads(proc.stdout)["rows"][0]
     assert row["rwkv_clip"]["pairs_per_s"] > 0 and row["open_clip"]["pairs_per_s"] > 0
     assert row["ratio"] > 0
+
+
+MAIN_JOB_LOG = """\
+13:33:05 done: 980 steps in 6.0 min, last loss 1.0839, checkpoint runs/x/checkpoints/epoch_2.pt
+13:33:05 final zero-shot accuracy: top-1 99.7%, top-5 100.0% (chance 3.3%: 30 classes)
+13:33:05 final zero-shot accuracy on the shifted split: top-1 93.0%, top-5 100.0% (chance 3.3%: 30 classes)
+"""
+
+
+def test_main_job_reads_a_runs_final_accuracies_and_their_range_over_seeds():
+    from rwkv_clip.bench.main_job import read_run, summarise
+    run = read_run(MAIN_JOB_LOG)
+    assert run == {"steps": 980, "train_minutes": 6.0, "held_out_top1": 99.7,
+                   "held_out_top5": 100.0, "shifted_top1": 93.0, "shifted_top5": 100.0}
+    other = {**run, "held_out_top1": 92.3, "shifted_top1": 87.7}
+    third = {**run, "held_out_top1": 95.0, "shifted_top1": 90.0}
+    summary = summarise([run, other, third])
+    assert summary["held_out_top1"] == {"min": 92.3, "median": 95.0, "max": 99.7}
+    assert summary["shifted_top1"] == {"min": 87.7, "median": 90.0, "max": 93.0}
+    with pytest.raises(ConfigError, match="final zero-shot lines"):
+        read_run(MAIN_JOB_LOG.splitlines()[0])
