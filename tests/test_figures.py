@@ -86,10 +86,20 @@ def test_the_readme_parameter_count_is_the_models():
 
 
 def test_the_readme_main_job_range_is_the_seed_runs():
-    result = json.loads((REPO / "docs" / "results" / "main_job_seeds.json").read_text())
+    """The README quotes command 1's accuracy only as the range of the committed seed runs
+    (scripts/bench_main_job.py), and no accuracy at all while none is committed."""
+    readme = (REPO / "README.md").read_text()
+    section = " ".join(readme[readme.index("## The two commands"):
+                              readme.index("## Use in a notebook")].split())
+    stated = re.findall(r"\d+(?:\.\d)?%", section.replace("chance 3.3%", ""))
+    path = REPO / "docs" / "results" / "main_job_seeds.json"
+    if not path.is_file():
+        assert not stated, f"the README states command 1's accuracy without a JSON: {stated}"
+        return
+    result = json.loads(path.read_text())
     over = result["top1_over_seeds"]
-    readme = " ".join((REPO / "README.md").read_text().split())
     for key in ("held_out_top1", "shifted_top1"):
-        stated = f"{over[key]['min']:.1f}-{over[key]['max']:.1f}%"
-        assert stated in readme, f"README should quote {key} over seeds as {stated}"
+        quoted = f"{over[key]['min']:.1f}-{over[key]['max']:.1f}%"
+        assert quoted in section, f"README should quote {key} over seeds as {quoted}"
+    assert "main_job_seeds.json" in section
     assert len(result["runs"]) >= 3 and result["machine"]["cpu"]
