@@ -3,7 +3,7 @@
 
 encode_image + encode_text (the models' forward) without grad on one synthetic batch,
 fp32 and bf16 autocast, eager and torch.compile'd; both models randomly initialised
-(open_clip with pretrained=None, nothing downloaded). See rwkv_clip.benchmark for the
+(open_clip with pretrained=None, nothing downloaded). See rwkv_clip.bench.versus for the
 timing protocol (ABBA interleaving, median paired ratio).
 
     python scripts/bench_infer.py                     # quick: B/32 vs ViT-B-32, batch 16
@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rwkv_clip.benchmark import add_versus_flags, run_versus
+from rwkv_clip.bench.versus import add_versus_flags, run_versus
 from rwkv_clip.errors import run_cli
 
 

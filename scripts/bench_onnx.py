@@ -3,8 +3,8 @@
 
 Both on the CPU in fp32, the same weights and inputs, the same thread count; each repeat
 times one PyTorch call and one onnxruntime call per encoder, alternating which goes first;
-the JSON gives the medians (ms) and the ratio, and the max difference of the features
-relative to their largest magnitude.
+the JSON gives the medians (ms), the paired ratio (torch / onnxruntime) with its min-max
+over repeats, and the max difference of the features relative to their largest magnitude.
 
     python scripts/bench_onnx.py --config RWKV_CLIP_B32                   # random weights
     python scripts/bench_onnx.py runs/default/checkpoints/epoch_latest.pt --onnx-dir exported/
@@ -50,6 +50,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from rwkv_clip.bench.versus import paired_ratios
     from rwkv_clip.config import load_model_configs, read_config_json
     from rwkv_clip.export import export_state_dict
     from rwkv_clip.model import create_RWKV_Model
@@ -96,9 +97,16 @@ def main(argv=None) -> int:
                         times[label].append(_timed(fn))
                 torch_ms = 1e3 * statistics.median(times["torch"])
                 ort_ms = 1e3 * statistics.median(times["onnxruntime"])
+                # the project's one speed statistic: median and min-max of the paired
+                # ratios (torch time / onnxruntime time) over the repeats
+                paired = paired_ratios(times["onnxruntime"], times["torch"])
                 result[name] = {"torch_eager_ms": round(torch_ms, 3),
                                 "onnxruntime_ms": round(ort_ms, 3),
-                                "onnxruntime_speedup": round(torch_ms / ort_ms, 3),
+                                "onnxruntime_speedup": round(paired["ratio"], 3),
+                                "onnxruntime_speedup_range": [round(v, 3) for v in
+                                                              paired["ratio_range"]],
+                                "faster": {"ours": "onnxruntime", "theirs": "torch"}.get(
+                                    paired["gain"]),  # None: the range includes 1.0
                                 "max_rel_diff": max_relative_difference(ort().astype("float32"),
                                                                         eager().numpy())}
     print(json.dumps(result), flush=True)

@@ -6,7 +6,7 @@ At each image side (default 224,448,896,1792) both models are built for that sid
 side in this process, ABBA-interleaved: inference (encode_image, the image tower, batch
 1) and a training step (both towers, ClipLoss, backward, AdamW, batch 2). Fitted log-log
 slopes of time and memory against tokens in the JSON, and in the plot's legend. See
-rwkv_clip.resolution.
+rwkv_clip.bench.resolution.
 
     python scripts/bench_resolution.py --plot resolution.png    # B/16 vs ViT-B-16, fp32
     python scripts/bench_resolution.py --model B32 --precisions fp32,bf16
@@ -23,9 +23,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from rwkv_clip.bench.resolution import add_flags
+from rwkv_clip.bench.resolution import main as run
 from rwkv_clip.errors import run_cli
-from rwkv_clip.resolution import add_flags
-from rwkv_clip.resolution import main as run
 
 
 def main(argv=None) -> int:

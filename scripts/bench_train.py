@@ -14,7 +14,7 @@ ClipLoss, backward, clip grad norm 1.0, AdamW). Prints ONE JSON object.
 B/32) and open_clip's MODEL (default ViT-B-32, randomly initialised), interleaved in this
 process, training steps at ``--batch-sizes`` (default 4,16), fp32 and bf16 autocast,
 eager and torch.compile'd, pairs/s and ratios as one JSON object; see
-rwkv_clip.benchmark. The flags above do not apply to it.
+rwkv_clip.bench.versus. The flags above do not apply to it.
 
 Two phases: ``--steps`` timed steps as they run in training (samples/s), then
 ``--wkv-steps`` steps in which every WKV call is timed, forward and backward, with
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import rwkv_clip.layers.time_mix as time_mix
-from rwkv_clip.benchmark import add_versus_flags, run_versus
+from rwkv_clip.bench.versus import add_versus_flags, run_versus
 from rwkv_clip.errors import run_cli
 from rwkv_clip.host_memory import configure_host_malloc
 from rwkv_clip.memory import (

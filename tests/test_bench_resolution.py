@@ -1,4 +1,4 @@
-"""The resolution benchmark (rwkv_clip.resolution, scripts/bench_resolution.py): the slope
+"""The resolution benchmark (rwkv_clip.bench.resolution, scripts/bench_resolution.py): the slope
 fit, the time guard's prediction, the memory probe, one case of two models side by side,
 a model that fails a case, and the script's JSON (FLOPs included) and plot."""
 from __future__ import annotations
@@ -10,10 +10,7 @@ import sys
 import pytest
 import torch
 
-from rwkv_clip.benchmark import interleaved, parse_list, peak_memory, resident_bytes
-from rwkv_clip.config import load_model_configs
-from rwkv_clip.errors import ConfigError
-from rwkv_clip.resolution import (
+from rwkv_clip.bench.resolution import (
     OURS,
     THEIRS,
     Sweep,
@@ -25,6 +22,9 @@ from rwkv_clip.resolution import (
     run_sweep,
     slopes,
 )
+from rwkv_clip.bench.versus import interleaved, parse_list, peak_memory, resident_bytes
+from rwkv_clip.config import load_model_configs
+from rwkv_clip.errors import ConfigError
 
 TINY = "RWKV_CLIP_tiny"
 
@@ -168,7 +168,7 @@ def test_training_sides_outside_the_inference_sides_run_too():
 def test_a_thread_count_below_one_is_a_config_error():
     import argparse
 
-    from rwkv_clip.resolution import add_flags, sweep_from_flags
+    from rwkv_clip.bench.resolution import add_flags, sweep_from_flags
     ap = argparse.ArgumentParser()
     add_flags(ap)
     ns = ap.parse_args(["--config", TINY, "--versus", "none", "--sides", "16", "--device",
@@ -180,7 +180,7 @@ def test_a_thread_count_below_one_is_a_config_error():
 def test_a_missing_open_clip_is_a_config_error(monkeypatch):
     import argparse
 
-    from rwkv_clip.resolution import add_flags, main
+    from rwkv_clip.bench.resolution import add_flags, main
     ap = argparse.ArgumentParser()
     add_flags(ap)
     monkeypatch.setitem(sys.modules, "open_clip", None)  # import open_clip: ImportError
@@ -195,7 +195,7 @@ def test_the_model_flag_finds_the_shipped_config_where_it_is_installed(tmp_path,
     import shutil
 
     from rwkv_clip import config
-    from rwkv_clip.resolution import add_flags, sweep_from_flags
+    from rwkv_clip.bench.resolution import add_flags, sweep_from_flags
     shutil.copy(config.config_dir() / "RWKV_CLIP_B32.json", tmp_path)
     monkeypatch.setattr(config, "config_dir", lambda: tmp_path)  # an installed package
     ap = argparse.ArgumentParser()

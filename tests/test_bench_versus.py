@@ -1,4 +1,4 @@
-"""The side-by-side benchmark (rwkv_clip.benchmark, bench_train.py --versus, bench_infer.py):
+"""The side-by-side benchmark (rwkv_clip.bench.versus, bench_train.py --versus, bench_infer.py):
 its timing arithmetic, its flag checks, and one JSON object from each script."""
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import sys
 import pytest
 import torch
 
-from rwkv_clip.benchmark import (
+from rwkv_clip.bench.versus import (
     Case,
     format_row,
     interleaved,
     kernel_breakdown,
+    machine,
+    paired_ratios,
     parse_list,
     summarise,
     table,
@@ -28,6 +30,23 @@ def test_ratio_is_the_median_of_paired_ratios():
     assert result["ratio"] == 2.0  # paired: 2.0, 1.0, 3.0
     assert result["rwkv_clip"]["pairs_per_s"] == 4.0  # 4 / median(1, 2, 1)
     assert result["open_clip"]["pairs_per_s"] == 2.0
+    assert result["ratio_range"] == [1.0, 3.0] and result["paired_ratios"] == [2.0, 1.0, 3.0]
+    assert result["gain"] is None  # the range includes 1.0: within noise
+
+
+@pytest.mark.parametrize("theirs, gain", [([1.1, 1.3, 1.2], "ours"), ([0.9, 0.5, 0.8], "theirs"),
+                                          ([1.1, 0.9, 1.2], None)])
+def test_a_gain_needs_the_whole_range_on_one_side_of_one(theirs, gain):
+    result = paired_ratios([1.0, 1.0, 1.0], theirs)
+    assert result["gain"] == gain
+    assert result["ratio_range"] == [min(theirs), max(theirs)]
+
+
+def test_machine_names_the_cpu_and_its_isa():
+    info = machine(torch.device("cpu"))
+    assert info["cpu"] and info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert set(info["isa"]) <= {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16",
+                                "amx_fp16"}
 
 
 def test_warm_ups_alternate_and_timed_steps_run_abba():
@@ -127,3 +146,24 @@ def test_b32_beside_open_clip_vit_b32(repo_root):
     row = json.loads(proc.stdout)["rows"][0]
     assert row["rwkv_clip"]["pairs_per_s"] > 0 and row["open_clip"]["pairs_per_s"] > 0
     assert row["ratio"] > 0
+
+
+MAIN_JOB_LOG = """\
+13:33:05 done: 980 steps in 6.0 min, last loss 1.0839, checkpoint runs/x/checkpoints/epoch_2.pt
+13:33:05 final zero-shot accuracy: top-1 99.7%, top-5 100.0% (chance 3.3%: 30 classes)
+13:33:05 final zero-shot accuracy on the shifted split: top-1 93.0%, top-5 100.0% (chance 3.3%: 30 classes)
+"""
+
+
+def test_main_job_reads_a_runs_final_accuracies_and_their_range_over_seeds():
+    from rwkv_clip.bench.main_job import read_run, summarise
+    run = read_run(MAIN_JOB_LOG)
+    assert run == {"steps": 980, "train_minutes": 6.0, "held_out_top1": 99.7,
+                   "held_out_top5": 100.0, "shifted_top1": 93.0, "shifted_top5": 100.0}
+    other = {**run, "held_out_top1": 92.3, "shifted_top1": 87.7}
+    third = {**run, "held_out_top1": 95.0, "shifted_top1": 90.0}
+    summary = summarise([run, other, third])
+    assert summary["held_out_top1"] == {"min": 92.3, "median": 95.0, "max": 99.7}
+    assert summary["shifted_top1"] == {"min": 87.7, "median": 90.0, "max": 93.0}
+    with pytest.raises(ConfigError, match="final zero-shot lines"):
+        read_run(MAIN_JOB_LOG.splitlines()[0])

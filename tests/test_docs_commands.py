@@ -121,6 +121,9 @@ COMMANDS: dict[str, str] = {
     "python scripts/bench_resolution.py --model B32 --sides 224 --batch-size 16 "
     "--train-batch-size 16 --precisions fp32,bf16 --repeats 3 --threads 2 --out "
     "docs/results/resolution_b32_224.json": "help",
+    # three runs of command 1's train.py (tests/test_bench_versus.py reads a run's log)
+    "python scripts/bench_main_job.py --seeds 0,1,2 --out docs/results/main_job_seeds.json":
+        "help",
     "python scripts/bench_wkv.py --shapes 16,77,10,64": "help",
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu": "help",
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu --dtype bf16": "help",

@@ -1,4 +1,4 @@
-"""FLOP counts (rwkv_clip.flops): our oneDNN linear and WKV operator counted as their
+"""FLOP counts (rwkv_clip.bench.flops): our oneDNN linear and WKV operator counted as their
 maths says, open_clip's ViT against its closed form (attention included), the same count
 whichever CPU kernel runs the products, and a count that leaves the model as it was."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rwkv_clip.bench.flops import count_flops, image_inference_flops, training_flops
+from rwkv_clip.bench.resolution import build_ours
 from rwkv_clip.config import load_model_configs
 from rwkv_clip.cpu_gemm import CPU_LINEAR_ENV, cpu_matmul_choice_reset
-from rwkv_clip.flops import count_flops, image_inference_flops, training_flops
 from rwkv_clip.layers.linear import linear
 from rwkv_clip.ops import wkv6_bidirectional
-from rwkv_clip.resolution import build_ours
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_the_wkv_operator_counts_its_recurrence_both_ways():
 
 
 def test_open_clip_vit_matches_its_closed_form_attention_included():
-    from rwkv_clip.benchmark import build_open_clip
+    from rwkv_clip.bench.versus import build_open_clip
     pytest.importorskip("open_clip")
     side, patch, width, layers, embed = 96, 32, 768, 12, 512
     vit = build_open_clip("ViT-B-32", force_image_size=side).eval()
@@ -101,7 +101,7 @@ def test_counting_leaves_the_model_as_it_was():
 def test_the_inputs_go_where_the_model_is():
     """A model off the CPU (meta here, CUDA on a GPU machine) counts the same: the inputs
     are made on its device, since fake tensors on two devices do not mix."""
-    from rwkv_clip.benchmark import build_open_clip
+    from rwkv_clip.bench.versus import build_open_clip
     pytest.importorskip("open_clip")
     vit = build_open_clip("ViT-B-32", force_image_size=64).train()
     on_cpu = (image_inference_flops(vit, 2, 64)["total"],

@@ -303,6 +303,8 @@ def test_docs_commands_run(trained_checkpoint, tmp_path):
             result = json.loads(r.stdout.strip().splitlines()[-1])
             assert result["batch_size"] == 1 and result["image"]["max_rel_diff"] < TOLERANCE
             assert result["image"]["onnxruntime_ms"] > 0 and result["text"]["torch_eager_ms"] > 0
+            low, high = result["image"]["onnxruntime_speedup_range"]
+            assert low <= result["image"]["onnxruntime_speedup"] <= high
     assert (tmp_path / "exported" / "onnx" / "image_encoder.onnx").is_file()
     card = (tmp_path / "exported" / "hub" / "README.md").read_text()
     assert "top-1 accuracy" in card  # the zero_shot.py result found in the run folder

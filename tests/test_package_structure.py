@@ -133,6 +133,17 @@ def test_no_import_cycles():
         " <-> ".join(cycle) for cycle in cycles)
 
 
+def test_the_model_does_not_import_the_benchmarks():
+    """rwkv_clip.bench is the code behind the benchmark scripts: no module a user of the
+    model imports reaches it."""
+    graph = import_graph()
+    users = sorted(module for module, targets in graph.items()
+                   if not module.startswith("rwkv_clip.bench")
+                   and any(t.startswith("rwkv_clip.bench") for t in targets))
+    assert not users, f"modules outside rwkv_clip.bench that import it: {users}"
+    assert "rwkv_clip.bench.versus" in graph
+
+
 def error_classes() -> dict[str, type]:
     """Every class deriving from RWKVCLIPError defined anywhere in the package."""
     found = {}

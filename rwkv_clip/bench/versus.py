@@ -1,7 +1,8 @@
 """RWKV-CLIP beside an open_clip model in one process: interleaved throughput.
 
 Repeats run ours, theirs, theirs, ours (ABBA) on the same synthetic batch, so a change
-of load hits both sides alike; each ratio is the median of the paired ratios. The
+of load hits both sides alike; each ratio is the median of the paired ratios, given with
+their min-max range (:func:`paired_ratios`). The
 training step is the trainer's own :func:`rwkv_clip.train.accumulation.train_step`.
 """
 from __future__ import annotations
@@ -12,12 +13,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 OPEN_CLIP_DEFAULT = "ViT-B-32"
 MODES = ("eager", "compiled")
@@ -75,11 +77,11 @@ def training_runner(model: nn.Module, forward: Callable[..., Any], precision: st
     """One training step per call (returns the loss): the trainer's optimizer on
     ``model``'s parameters, the forward through ``forward`` (``model`` or its compiled
     wrapper). ``step.optimizer`` is that optimizer."""
-    from .loss import ClipLoss
-    from .memory.measure import trainer_defaults
-    from .precision import get_precision
-    from .train.accumulation import MicroBatch, train_step
-    from .train.loop import build_optimizer
+    from ..loss import ClipLoss
+    from ..memory.measure import trainer_defaults
+    from ..precision import get_precision
+    from ..train.accumulation import MicroBatch, train_step
+    from ..train.loop import build_optimizer
     settings = trainer_defaults()
     optimizer = build_optimizer(model, settings)
     loss_fn = ClipLoss(cache_labels=True)
@@ -99,7 +101,7 @@ def training_runner(model: nn.Module, forward: Callable[..., Any], precision: st
 def inference_runner(forward: Callable[..., Any], precision: str, images: torch.Tensor,
                      tokens: torch.Tensor, device_type: str = "cpu") -> Callable[[], float]:
     """encode_image + encode_text (the models' forward) without grad, per call."""
-    from .precision import get_precision
+    from ..precision import get_precision
     prec = get_precision(precision, device_type)
 
     def run() -> float:
@@ -113,7 +115,7 @@ def image_inference_runner(model: Any, precision: str, images: torch.Tensor,
                            device_type: str = "cpu") -> Callable[[], float]:
     """encode_image alone without grad, per call: the image tower, where the image size
     changes the cost."""
-    from .precision import get_precision
+    from ..precision import get_precision
     prec = get_precision(precision, device_type)
 
     def run() -> float:
@@ -282,17 +284,57 @@ def peak_memory(run: Callable[[], float], device: torch.device,
     return value, start, rise
 
 
+RATIO_STATISTIC = ("ABBA per repeat; ratio = median over repeats of the paired (their step "
+                   "time / our step time), ratio_range = their min and max; gain = 'ours' or "
+                   "'theirs' only when ratio_range excludes 1.0")
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """What the figures ran on: the CPU's model and the ISA extensions that decide its
+    GEMM speed (torch's CPU capability, AVX-512, AVX512-BF16, AMX), and the GPU's name."""
+    import platform
+    flags: set[str] = set()
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
+    info: dict[str, Any] = {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                            "isa": [f for f in wanted if f in flags],
+                            "cores": os.cpu_count()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def paired_ratios(ours_s: Sequence[float], theirs_s: Sequence[float]) -> dict[str, Any]:
+    """The one speed statistic of every comparison: ``ratio``, the median over repeats of
+    the paired ratio (their step time / ours, > 1: ours is faster), with its spread
+    ``ratio_range`` (min, max of the paired ratios) and ``gain``: "ours" or "theirs" when
+    the whole range lies on one side of 1.0, None when it includes 1.0 (within noise)."""
+    paired = [b / a for a, b in zip(ours_s, theirs_s, strict=True)]
+    low, high = min(paired), max(paired)
+    return {"ratio": statistics.median(paired), "ratio_range": [low, high],
+            "paired_ratios": paired,
+            "gain": "ours" if low > 1.0 else "theirs" if high < 1.0 else None}
+
+
 def summarise(timings: dict[str, Any], batch: int, ours: str, theirs: str | None) -> dict:
-    """pairs/s per side (batch / median step time) and the median paired ratio."""
+    """pairs/s per side (batch / median step time) and the paired ratio with its spread
+    (:func:`paired_ratios`)."""
     result: dict[str, Any] = {}
     for name, t in timings.items():
         result[name] = {"pairs_per_s": batch / statistics.median(t["step_s"]),
                         "step_s": t["step_s"], "warmup_s": t["warmup_s"],
                         "finite": t["finite"]}
     if theirs is not None:
-        paired = [b / a for a, b in zip(timings[ours]["step_s"], timings[theirs]["step_s"],
-                                        strict=True)]
-        result["ratio"] = statistics.median(paired)
+        result.update(paired_ratios(timings[ours]["step_s"], timings[theirs]["step_s"]))
     return result
 
 
@@ -336,7 +378,9 @@ def format_row(case: Case) -> str:
     cells = [f"{case.task} b{case.batch} {case.precision} {case.mode}",
              f"ours {r['rwkv_clip']['pairs_per_s']:.2f} pairs/s"]
     if "open_clip" in r:
-        cells += [f"open_clip {r['open_clip']['pairs_per_s']:.2f}", f"ratio {r['ratio']:.2f}x"]
+        low, high = r["ratio_range"]
+        cells += [f"open_clip {r['open_clip']['pairs_per_s']:.2f}",
+                  f"ratio {r['ratio']:.2f}x ({low:.2f}-{high:.2f})"]
     for name, parts in r.get("breakdown", {}).items():
         ceiling = parts["compile_ceiling"]
         cells.append(f"{name}: kernels + optimizer {parts['kernel_share']:.0%} of the profiled "
@@ -410,10 +454,9 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
     readable table on stderr). Returns 0 when every loss / output was finite."""
     import json
     import sys
-    from pathlib import Path
 
-    from .host_memory import configure_host_malloc
-    from .memory.measure import build_measured_model
+    from ..host_memory import configure_host_malloc
+    from ..memory.measure import build_measured_model
     batches = parse_list(ns.batch_sizes, int, None, "--batch-sizes")
     if any(b < 1 for b in batches):
         raise ConfigError(f"--batch-sizes {ns.batch_sizes!r}: batch sizes must be >= 1")
@@ -446,8 +489,8 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
     result = {"config": Path(ns.versus_config).name, "versus": ns.versus,
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "repeats": ns.repeats, "warmup": ns.versus_warmup, "host_malloc": host_malloc,
-              "interleaving": "ABBA per repeat; ratio = median of paired (their step time / "
-                              "our step time)",
+              "machine": machine(torch.device("cpu")),
+              "interleaving": RATIO_STATISTIC,
               "total_s": time.perf_counter() - t0, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
               **table(cases)}
     text = json.dumps(result)

@@ -1,7 +1,7 @@
 """Cost against image size: RWKV-CLIP beside an open_clip ViT, both built for each side.
 
-Time (ABBA-interleaved, :mod:`rwkv_clip.benchmark`), peak memory and counted FLOPs
-(:mod:`rwkv_clip.flops`) of inference (the image tower) and a training step per side, and
+Time (ABBA-interleaved, :mod:`rwkv_clip.bench.versus`), peak memory and counted FLOPs
+(:mod:`rwkv_clip.bench.flops`) of inference (the image tower) and a training step per side, and
 their log-log slopes against the patch tokens (1: linear, 2: quadratic). Used by
 ``scripts/bench_resolution.py``.
 """
@@ -21,13 +21,16 @@ from typing import Any
 
 import torch
 
-from .benchmark import (
+from ..errors import ConfigError
+from .versus import (
     MEMORY_METHODS,
     PRECISIONS,
+    RATIO_STATISTIC,
     build_open_clip,
     image_inference_runner,
     import_open_clip,
     interleaved,
+    machine,
     make_inputs,
     open_clip_shapes,
     parse_list,
@@ -36,7 +39,6 @@ from .benchmark import (
     summarise,
     training_runner,
 )
-from .errors import ConfigError
 
 # our published configs and the open_clip model of the same patch size
 PAIRS = {"B16": ("RWKV_CLIP_B16.json", "ViT-B-16"), "B32": ("RWKV_CLIP_B32.json", "ViT-B-32")}
@@ -100,7 +102,7 @@ class Sweep:
 
 def build_ours(args: Any, side: int, device: torch.device) -> torch.nn.Module:
     """Our model for ``side`` px images (its pos_embed grid made for that size)."""
-    from .factory import build_model
+    from ..factory import build_model
     return build_model(dataclasses.replace(args, input_size=side), seed=0, device=device)
 
 
@@ -215,7 +217,8 @@ def format_case(r: dict[str, Any], versus: str | None) -> str:
                      f"{label} {m['median_s']:.3g} s, {m['peak_memory_bytes'] / 2**30:.2f} GiB"
                      + (f", {m['flops'] / 1e9:.4g} GFLOP" if "flops" in m else ""))
     if "ratio" in r:
-        cells.append(f"time ratio {r['ratio']:.2f}x, memory ratio {r['memory_ratio']:.2f}x"
+        cells.append(f"time ratio {r['ratio']:.2f}x ({r['ratio_range'][0]:.2f}-"
+                     f"{r['ratio_range'][1]:.2f}), memory ratio {r['memory_ratio']:.2f}x"
                      + (f", FLOP ratio {r['flop_ratio']:.2f}x" if "flop_ratio" in r else ""))
     return " | ".join(cells)
 
@@ -249,7 +252,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None]) -> dict[str, Any]:
     """Every case the sweep asks for, over the inference and training sides ascending (a
     side's models are built once for both tasks); a case predicted to end past
     ``max_seconds`` is skipped with its prediction."""
-    from .config import load_model_configs
+    from ..config import load_model_configs
     t0 = time.perf_counter()
     args = load_model_configs(sweep.config)
     patch, ctx_len, vocab = int(args.image_patch_size or 0), args.ctx_len, args.vocab_size
@@ -410,7 +413,7 @@ def add_flags(ap: Any) -> None:
 
 
 def sweep_from_flags(ns: Any) -> Sweep:
-    from .config import load_model_configs, resolve_config_path
+    from ..config import load_model_configs, resolve_config_path
     config_name, versus = PAIRS[ns.model]
     config = str(resolve_config_path(ns.config or config_name))
     versus = ns.versus or versus
@@ -445,7 +448,7 @@ def main(ns: Any) -> int:
     """Run the sweep the flags describe; prints one JSON object (progress on stderr).
     Returns 0 when no model failed a case and every value was finite (cases skipped for
     time are listed under "skipped")."""
-    from .host_memory import configure_host_malloc
+    from ..host_memory import configure_host_malloc
     sweep = sweep_from_flags(ns)
     theirs_version = import_open_clip().__version__ if sweep.versus else None
     if ns.threads is not None:
@@ -466,8 +469,8 @@ def main(ns: Any) -> int:
         "train_batch_size": sweep.train_batch, "warmup": sweep.warmup,
         "repeats": sweep.repeats, "max_seconds": sweep.max_seconds,
         "tokens": "patch tokens, (side / patch)^2 (the ViT adds its class token)",
-        "interleaving": "ABBA per repeat; ratio = median of paired (their step time / our "
-                        "step time); memory_ratio = their peak / our peak",
+        "machine": machine(sweep.device),
+        "interleaving": RATIO_STATISTIC + "; memory_ratio = their peak / our peak",
         "memory_method": MEMORY_METHODS[dev.type],
         "memory_measured_on": "each model's last warm-up call (the second training step)",
         **run_sweep(sweep, log),

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .distributed import model_device
+from ..distributed import model_device
 
 # The WKV recurrence per token, head and direction on an (N x N) state: the outer product
 # k v^T (N^2), the decayed state plus it (2 N^2: a multiply-add) and the read-out r S
@@ -52,8 +52,8 @@ def _attention_backward(grad_shape, q_shape, k_shape, v_shape, *args, out_shape=
 
 def formulas() -> dict[Any, Callable[..., int]]:
     """Counts for the operators torch's registry lacks, keyed by operator packet."""
-    from .layers import linear  # noqa: F401  registers rwkv_clip::onednn_linear
-    from .ops import kernels  # noqa: F401  registers rwkv_clip::wkv6_*
+    from ..layers import linear  # noqa: F401  registers rwkv_clip::onednn_linear
+    from ..ops import kernels  # noqa: F401  registers rwkv_clip::wkv6_*
     ops = torch.ops
     return {ops.rwkv_clip.onednn_linear: _linear,
             ops.mkldnn._linear_pointwise: _linear,  # the oneDNN linear's input gradient
@@ -90,7 +90,7 @@ def training_flops(model: Any, batch: int, side: int, ctx_len: int) -> dict[str,
     """FLOPs of a training step's forward (both towers and the contrastive loss) and
     backward (the gradients of every trainable parameter); the optimizer's elementwise
     update is not counted."""
-    from .loss import ClipLoss
+    from ..loss import ClipLoss
     params = [p for p in model.parameters() if p.requires_grad]
     device = model_device(model)
 

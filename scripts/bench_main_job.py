@@ -1,0 +1,44 @@
+#!/usr/bin/env python
+"""The main job (README command 1, ``train.py`` with no flags) over several seeds, one JSON.
+
+Each seed trains into RUNS/seedN (``--runs``, default runs/main_job) and its final
+zero-shot top-1 on the held-out and the shifted split is read from its training.log; the
+JSON holds every run, their min / median / max and the machine (CPU model, ISA). See
+rwkv_clip.bench.main_job.
+
+    python scripts/bench_main_job.py --seeds 0,1,2 --out docs/results/main_job_seeds.json
+    python scripts/bench_main_job.py --seeds 0,1,2 --runs runs --reuse   # runs already there
+
+Arguments after ``--`` go to train.py (e.g. ``-- --epochs 3``).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from rwkv_clip.bench.main_job import main as run
+from rwkv_clip.errors import run_cli
+
+
+def main(argv=None) -> int:
+    import argparse
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")],
+                    help="comma-separated seeds (default: 0,1,2)")
+    ap.add_argument("--runs", default="runs/main_job", help="folder of the seedN run folders")
+    ap.add_argument("--reuse", action="store_true",
+                    help="read a seed's finished run from RUNS/seedN instead of training it")
+    ap.add_argument("--out", help="also write the JSON to this file")
+    ns = ap.parse_args(argv)
+    ns.train_args = train_args
+    return run(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
