@@ -65,6 +65,14 @@ COMMANDS: dict[str, str] = {
     "python train.py --train-data data/train --caption-tokens raw_ofa.npy": "help",
     "python scripts/make_rec.py 'yfcc15m/data/train-*.parquet' data/yfcc15m": "help",
     "python scripts/bench_data.py --workers 2,4,8 --bench-train": "help",
+    # docs/data.md, captions of any length (tests/test_long_captions.py runs each path)
+    "python scripts/make_rec.py pairs.jsonl data/long --ctx-len 248": "help",
+    "python scripts/make_rec.py pairs.jsonl data/long --ctx-len 248 --format wds": "help",
+    "python train.py --train-data data/long --ctx-len 248": "help",
+    "python train.py --train-data 'i2d/*.parquet' --ctx-len 248": "help",
+    "python train.py --train-data data/train --caption-tokens long.npy --ctx-len 248": "help",
+    "python text_image_retrieval.py --model-weight run/checkpoints/epoch_1.pt --ctx-len 248 "
+    "--retrieval-file long.jsonl": "help",
     # evaluation (the paper's sets, 8 GPUs, downloads)
     "python zero_shot.py": "help",
     "python zero_shot.py --model-weight runs/default/checkpoints/epoch_latest.pt": "help",
