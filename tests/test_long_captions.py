@@ -3,6 +3,7 @@ reading k x ctx_len tokens (the original's k x 77 fitted to it), the one-line er
 stored tokens and --ctx-len disagree, and a 77-token model run at other lengths."""
 import io
 import json
+import os
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -16,7 +17,7 @@ from train_util import TINY_CONFIG, tiny_argv, tiny_model
 from rwkv_clip import tokenize
 from rwkv_clip.data import build_train_loader, convert, normalize_labels
 from rwkv_clip.data.tokens import CaptionTokens, tokens_from_row
-from rwkv_clip.errors import DataError, TrainArgsError
+from rwkv_clip.errors import DataError, DatasetNotFoundError, TrainArgsError
 from rwkv_clip.tokenizer import EOT_TOKEN, SOT_TOKEN, fit_context_length
 
 N = 8
@@ -221,3 +222,55 @@ def test_retrieval_cli_reads_long_captions_with_a_77_token_checkpoint(pairs, tmp
         out = next((tmp_path / f"out{n}").glob("*_zeroshot_retrieval.json"))
         record = json.loads(out.read_text())
         assert record["num_texts"] == N and record["metrics"]["text_retrieval_recall@10"] == 1.0
+
+
+# ----------------------------------------------------------------------------- users' sets
+
+def urban1k(root, n=N):
+    (root / "image").mkdir(parents=True)
+    (root / "caption").mkdir()
+    for i in range(n):
+        (root / "image" / f"{i}.jpg").write_bytes(png(i))  # PIL reads by content
+        (root / "caption" / f"{i}.txt").write_text(long_caption(i) + "\n")
+    return root
+
+
+def test_urban1k_and_sharegpt4v_layouts_load(pairs, tmp_path):
+    from rwkv_clip.errors import EvalError
+    from rwkv_clip.eval.retrieval import build_retrieval_set
+    root = urban1k(tmp_path / "data" / "Urban1k")
+    for where in (root, tmp_path / "data"):  # the set's folder, or a root holding Urban1k/
+        rset = build_retrieval_set("urban1k", where)
+        assert rset.captions == [long_caption(i) for i in range(N)]
+        assert [os.path.basename(p) for p in rset.image_paths] == [f"{i}.jpg" for i in range(N)]
+        assert rset.text_to_image == list(range(N))
+    (root / "caption" / "3.txt").unlink()
+    with pytest.raises(EvalError, match=r"1 file\(s\) without their pair, e.g. '3' has no "
+                                        r"caption file"):
+        build_retrieval_set("urban1k", root)
+    with pytest.raises(DatasetNotFoundError, match=r"Expected layout:\n.*image/NAME.jpg"):
+        build_retrieval_set("urban1k", tmp_path)
+    share = [{"id": str(i), "image": f"{i}.png", "conversations": [
+        {"from": "human", "value": "<image>\nDescribe the picture in detail."},
+        {"from": "gpt", "value": long_caption(i)}]} for i in range(N)]
+    (pairs / "share.json").write_text(json.dumps(share))
+    rset = build_retrieval_set("sharegpt4v", retrieval_file=pairs / "share.json")
+    assert rset.captions == [long_caption(i) for i in range(N)] and rset.num_images == N
+    dci = [{"image": f"{i}.png", "caption": long_caption(i)} for i in range(N)]
+    (pairs / "dci.json").write_text(json.dumps(dci))
+    assert build_retrieval_set("dci", retrieval_file=pairs / "dci.json").captions == rset.captions
+    share[2]["conversations"] = share[2]["conversations"][:1]
+    (pairs / "bad.json").write_text(json.dumps(share))
+    with pytest.raises(EvalError, match=r"entry 2: 'conversations' holds no answer"):
+        build_retrieval_set("sharegpt4v", retrieval_file=pairs / "bad.json")
+
+
+def test_retrieval_cli_on_urban1k_layout(tmp_path, capsys):
+    from text_image_retrieval import main
+    root = urban1k(tmp_path / "Urban1k")
+    rc = main(["--config", "RWKV_CLIP_tiny", "--dataset", "urban1k", "--data-root", str(root),
+               "--ctx-len", "248", "--workers", "0", "--device", "cpu",
+               "--output-dir", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "out" / "urban1k_zeroshot_retrieval.json").read_text())
+    assert record["num_images"] == N and record["num_texts"] == N
