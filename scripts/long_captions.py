@@ -46,7 +46,7 @@ def run_seed(seed: int, a, data, log) -> dict:
             data.train_prefix, "--data-format", "rec", "--output", out, "--seed", str(seed),
             "--epochs", str(a.epochs), "--batch-size", str(a.batch_size), "--device", "cpu",
             "--loader", "torch", "--workers", str(a.workers), "--progress", "False",
-            "--final-zero-shot", "False", "--report-to", "none", "--log-every", "50"]
+            "--final-zero-shot", "False", "--report-to", "none", "--log-every", "16"]
     if a.max_steps:
         argv += ["--max-steps", str(a.max_steps)]
     start = time.perf_counter()
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=seeds_list, default=[0, 1], metavar="A,B,...",
                    help="training seeds, one model each (default 0,1)")
     p.add_argument("--config", default="RWKV_CLIP_small", help="model config (default small)")
-    p.add_argument("--epochs", type=int, default=2, help="passes over the 8192 pairs")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the training scenes")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=1)
