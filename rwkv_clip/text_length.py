@@ -68,7 +68,7 @@ def runner(encode: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor,
             p.grad = None
         out = encode(tokens).float().sum()
         out.backward()
-        return float(out)
+        return float(out.detach())
     return infer if task == "infer" else train
 
 
@@ -87,7 +87,8 @@ def measure_case(ours: Any, theirs: Any, tokens: torch.Tensor, task: str, repeat
     theirs_params = [p for m in theirs_parts for p in
                      (m.parameters() if isinstance(m, torch.nn.Module) else [m])
                      if isinstance(p, torch.nn.Parameter)]
-    for p in ours_params + theirs_params:
+    for p in ours_params + theirs_params:  # no gradients held from an earlier case
+        p.grad = None
         p.requires_grad_(task == "train")
     runners = {OURS: runner(ours.encode_text, tokens, task, ours_params),
                THEIRS: runner(theirs.encode_text, tokens, task, theirs_params)}

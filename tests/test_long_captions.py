@@ -274,3 +274,99 @@ def test_retrieval_cli_on_urban1k_layout(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     record = json.loads((tmp_path / "out" / "urban1k_zeroshot_retrieval.json").read_text())
     assert record["num_images"] == N and record["num_texts"] == N
+
+
+# ----------------------------------------------------------------------------- built-in split
+
+def test_builtin_long_split_differs_only_past_token_77(tmp_path):
+    from rwkv_clip.data.builtin_long import (
+        GROUP,
+        Scene,
+        background_position,
+        ensure_long_caption_dataset,
+    )
+    from rwkv_clip.eval.long_captions import evaluate_groups, read_group_file
+    ds = ensure_long_caption_dataset(str(tmp_path), num_train=8, num_groups=3)
+    entries = read_group_file(ds.eval_file)
+    assert len(entries) == 3 * GROUP
+    toks = tokenize([e["caption"] for e in entries], context_length=128)
+    lengths = toks.ne(0).sum(1)
+    assert lengths.min() >= 60 and lengths.max() <= 128 and lengths.max() > 77
+    short = fit_context_length(toks, 77)
+    for g in range(3):
+        rows = [i for i, e in enumerate(entries) if e["group"] == g]
+        assert len({tuple(short[i].tolist()) for i in rows}) == 1  # one text at 77 tokens
+        assert len({tuple(toks[i].tolist()) for i in rows}) == GROUP  # all differ in full
+    assert background_position(Scene([None] * 9, "grey")) >= 77  # the shortest caption
+    loader = build_train_loader(loader_args(ds.train_prefix, "rec", 128), log=None)
+    assert next(iter(loader))[1].shape == (4, 3 * 128)
+    torch.manual_seed(0)
+    scores = evaluate_groups(tiny_model(ctx_len=128).eval(), entries, (None, 77))
+    cut = scores["77 tokens"]
+    assert cut["image_to_text_R@1"] == pytest.approx(1 / GROUP)  # ties: chance exactly
+    assert cut["text_to_image_R@1"] == pytest.approx(1 / GROUP)
+    assert cut["chance"] == pytest.approx(1 / GROUP)
+
+
+def test_tied_recall_at_1():
+    from rwkv_clip.eval.long_captions import group_recall, tied_recall_at_1
+    scores = torch.tensor([[0.9, 0.1, 0.9], [0.2, 0.8, 0.1], [0.5, 0.5, 0.5]])
+    got = tied_recall_at_1(scores, torch.tensor([0, 0, 2]))
+    assert got.tolist() == pytest.approx([0.5, 0.0, 1 / 3])
+    feats = torch.eye(4)
+    r = group_recall(feats, feats, [0, 0, 1, 1])
+    assert r == {"image_to_text_R@1": 1.0, "text_to_image_R@1": 1.0, "chance": 0.5}
+
+
+# ----------------------------------------------------------------------------- cost benchmark
+
+def test_stretched_positional_embedding():
+    from rwkv_clip.text_length import stretch_positional_embedding
+    pos = torch.arange(77.0)[:, None].repeat(1, 3)
+    out = stretch_positional_embedding(pos, 248)
+    assert out.shape == (248, 3)
+    assert torch.equal(out[:20], pos[:20]) and out[-1, 0] == 76 and out[20, 0] == 20
+    assert (out[21:, 0] - out[20:-1, 0] > 0).all()  # interpolated, in order
+    assert torch.equal(stretch_positional_embedding(pos, 12), pos[:12])
+
+
+def test_bench_text_length_pairs_both_towers(tmp_path, capsys):
+    import argparse
+
+    from rwkv_clip.text_length import add_flags, main
+    ap = argparse.ArgumentParser()
+    add_flags(ap)
+    argv = ["--lengths", "8,24", "--tasks", "train", "--batch", "1", "--repeats", "2",
+            "--config", "RWKV_CLIP_tiny", "--output", str(tmp_path / "t.json")]
+    assert main(ap.parse_args(argv), argv) == 0
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert [(c["task"], c["length"]) for c in doc["cases"]] == [("train", 8), ("train", 24)]
+    for c in doc["cases"]:
+        for name in ("rwkv_clip", "open_clip"):
+            assert c[name]["finite"] and len(c[name]["step_s"]) == 2
+            assert c[name]["peak_bytes"] > 0
+        assert c["ratio"] > 0
+    assert set(doc["slopes"]) == {"train"} and doc["slopes"]["train"]["open_clip"]["time"]
+
+
+@pytest.mark.parametrize("mode", [["--lora-rank", "4"], ["--lock-image"]])
+def test_fine_tune_a_77_token_checkpoint_on_long_captions(pairs, tmp_path, mode):
+    from rwkv_clip.eval.zeroshot import evaluate_imagefolder
+    from rwkv_clip.train import main, parse_args
+    folder = tmp_path / "zs"  # the short-caption zero-shot set: one class per grey level
+    for i in range(2):
+        (folder / f"level{i}").mkdir(parents=True)
+        (folder / f"level{i}" / "a.png").write_bytes(png(3 * i))
+    short = tiny_model()
+    weights = tmp_path / "tiny77.pt"
+    torch.save(short.state_dict(), weights)
+    before = evaluate_imagefolder(short, folder)["acc1"]
+    data = str(tmp_path / "long")
+    convert(str(pairs / "pairs.jsonl"), data, fmt="rec", progress=False, context_length=128)
+    summary = main(parse_args(tiny_argv(
+        tmp_path / "run", data, "--pretrained", str(weights), "--ctx-len", "128",
+        "--batch-size", "4", "--max-steps", "1", "--zero-shot-data", str(folder),
+        "--final-zero-shot", "True", *mode)))
+    after = summary["zero_shot"]["acc1"]
+    assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0
+    assert summary["model"].text_model.args.ctx_len == 128 and summary["steps"] == 1
