@@ -36,6 +36,31 @@ def seeds_list(text: str) -> list[int]:
     return seeds
 
 
+def finished_run(path: str, argv: list[str]):
+    """(model, steps, train seconds, last loss) of a finished run's last checkpoint, which
+    must have been trained with the same command line; the seconds and loss from its log."""
+    import re
+
+    import torch
+
+    from rwkv_clip.factory import build_model
+    from rwkv_clip.pretrained import load_weights
+    from rwkv_clip.train import parse_args
+
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    want = vars(parse_args(argv))
+    differ = [k for k in ("seed", "epochs", "batch_size", "train_data", "lr")
+              if ckpt["args"].get(k) != want.get(k)]
+    if differ:
+        raise TrainArgsError(f"--reuse: {path} was trained with other {', '.join(differ)}; "
+                             "remove it or drop --reuse")
+    model = build_model(ckpt["model_config"], load_weights(path)).eval()
+    log_text = open(os.path.join(os.path.dirname(os.path.dirname(path)), "training.log")).read()
+    done = re.findall(r"done: \d+ steps in ([\d.]+) min, last loss ([\d.]+)", log_text)
+    minutes, loss = (float(done[-1][0]), float(done[-1][1])) if done else (float("nan"), None)
+    return model, int(ckpt["step"]), 60 * minutes, loss
+
+
 def run_seed(seed: int, a, data, log) -> dict:
     from rwkv_clip.data.builtin_long import CONTEXT_LENGTH
     from rwkv_clip.eval.long_captions import evaluate_groups, read_group_file
@@ -49,16 +74,20 @@ def run_seed(seed: int, a, data, log) -> dict:
             "--final-zero-shot", "False", "--report-to", "none", "--log-every", "16"]
     if a.max_steps:
         argv += ["--max-steps", str(a.max_steps)]
-    start = time.perf_counter()
-    summary = main(parse_args(argv))
-    seconds = time.perf_counter() - start
-    model = summary["model"].eval()
+    final = os.path.join(out, "checkpoints", f"epoch_{a.epochs}.pt")
+    if a.reuse and os.path.isfile(final):  # a finished run of these settings: scored again
+        model, steps, seconds, loss = finished_run(final, argv)
+    else:
+        start = time.perf_counter()
+        summary = main(parse_args(argv))
+        seconds = time.perf_counter() - start
+        model, steps, loss = summary["model"].eval(), summary["steps"], summary["last_loss"]
     scores = evaluate_groups(model, read_group_file(data.eval_file), (None, SHORT))
     log(f"seed {seed}: R@1 image->text full {scores['full']['image_to_text_R@1']:.3f}, "
         f"{SHORT} tokens {scores[f'{SHORT} tokens']['image_to_text_R@1']:.3f} "
         f"(chance {scores['full']['chance']:.3f}); trained in {seconds:.0f} s")
-    return {"seed": seed, "steps": summary.get("steps"), "train_seconds": round(seconds, 1),
-            "last_loss": summary.get("last_loss"), "ctx_len": model.text_model.args.ctx_len,
+    return {"seed": seed, "steps": steps, "train_seconds": round(seconds, 1),
+            "last_loss": loss, "ctx_len": model.text_model.args.ctx_len,
             "full": scores["full"], f"{SHORT}_tokens": scores[f"{SHORT} tokens"]}
 
 
@@ -79,6 +108,8 @@ def main(argv=None) -> int:
                         "~/.cache/rwkv_clip)")
     p.add_argument("--runs", default="runs/long_captions", help="training output folder")
     p.add_argument("--output", default=None, help="also write the JSON here")
+    p.add_argument("--reuse", action="store_true",
+                   help="score a seed's finished run in --runs again instead of retraining")
     a = p.parse_args(argv)
     if a.epochs < 1 or a.batch_size < 1 or a.num_train < a.batch_size or a.num_groups < 1:
         raise TrainArgsError("--epochs, --batch-size and --num-groups must be >= 1 and "

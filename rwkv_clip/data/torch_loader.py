@@ -1,7 +1,7 @@
 """PyTorch ``DataLoader`` fallback with the DALI loader's contract.
 
-Yields ``(images float32 (B, 3, S, S), tokens int64 (B, 231))`` from ``.rec``/``.idx`` and
-WebDataset shards with a ``tok`` component. Sharding, full batches, per-sample seeded
+Yields ``(images float32 (B, 3, S, S), tokens int64 (B, 3 x ctx_len))`` from
+``.rec``/``.idx`` and WebDataset shards with a ``tok`` component. Sharding, full batches, per-sample seeded
 augmentation and ``skip_corrupt`` counting are described in docs/data.md.
 """
 
