@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The long-caption job: what reading past 77 tokens gains, on the built-in long-caption
-split (rwkv_clip/data/builtin_long.py: scenes described in 85-117 tokens, the background
+split (rwkv_clip/data/builtin_long.py: scenes described in 80-120 tokens, the background
 named past token 77).
 
 For each seed it trains the small config on the split at --ctx-len 128 (whole captions),

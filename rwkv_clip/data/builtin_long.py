@@ -1,6 +1,6 @@
 """The built-in long-caption split: scenes of a 3 x 3 grid of cells, each empty or holding
 one coloured shape, on a plain background, with a caption naming every cell in reading
-order and then the background: 90-110 tokens, the background named past token 77.
+order and then the background: 80-120 tokens, the background named past token 77.
 
 Its evaluation set comes in groups of :data:`GROUP` images that share every cell and
 differ only in the background, so their captions differ only past token 77: a reader of
