@@ -55,12 +55,17 @@ def main(argv=None):
                    help="parquet image column (default: jpg, images, image or img)")
     p.add_argument("--caption-columns", default=None, metavar="RAW[,SYN[,GEN]]",
                    help="parquet caption columns (default: caption, texts or text)")
+    p.add_argument("--ctx-len", type=positive_int, default=77, metavar="N",
+                   help="tokens per stored caption (default 77, the original's; longer "
+                        "captions are cut with end-of-text kept). Train with the same "
+                        "--ctx-len to read them whole")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (for logs and scripts)")
     a = p.parse_args(argv)
     s = convert(a.input, a.output, fmt=a.format, resize=a.resize, shard_size=a.shard_size,
                 progress=not a.no_progress, image_column=a.image_column,
-                caption_columns=a.caption_columns, encoding=a.encoding)
+                caption_columns=a.caption_columns, encoding=a.encoding,
+                context_length=a.ctx_len)
     print(f"written: {s['written']}  skipped: {s['skipped']}")
     for reason, n in sorted(s["reasons"].items(), key=lambda x: -x[1]):
         print(f"  {n:8d}  {reason}")

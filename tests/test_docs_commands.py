@@ -63,6 +63,29 @@ COMMANDS: dict[str, str] = {
     "python train.py --train-data data/train --caption-tokens raw_ofa.npy": "help",
     "python scripts/make_rec.py 'yfcc15m/data/train-*.parquet' data/yfcc15m": "help",
     "python scripts/bench_data.py --workers 2,4,8 --bench-train": "help",
+    # docs/data.md, captions of any length (tests/test_long_captions.py runs each path)
+    "python scripts/make_rec.py pairs.jsonl data/long --ctx-len 248": "help",
+    "python scripts/make_rec.py pairs.jsonl data/long --ctx-len 248 --format wds": "help",
+    "python train.py --train-data data/long --ctx-len 248": "help",
+    "python train.py --train-data 'i2d/*.parquet' --ctx-len 248": "help",
+    "python train.py --train-data data/train --caption-tokens long.npy --ctx-len 248": "help",
+    "python text_image_retrieval.py --model-weight run/checkpoints/epoch_1.pt --ctx-len 248 "
+    "--retrieval-file long.jsonl": "help",
+    # docs/evaluation.md, long captions (tests/test_long_captions.py reads each layout, runs
+    # the retrieval CLI, the built-in split, the job's parts and a fine-tune at 128 tokens)
+    "python text_image_retrieval.py --model-weight w.pt --dataset urban1k --data-root "
+    "/data/Urban1k --ctx-len 248": "help",
+    "python text_image_retrieval.py --model-weight w.pt --dataset sharegpt4v --retrieval-file "
+    "sharegpt4v_instruct_gpt4-vision_cap100k.json --data-root /data/ShareGPT4V/data "
+    "--ctx-len 248": "help",
+    "python text_image_retrieval.py --model-weight w.pt --dataset dci --retrieval-file "
+    "dci_long.json --data-root /data/dci --ctx-len 248": "help",
+    "python scripts/long_captions.py --seeds 0,1 --output docs/results/long_captions.json":
+        "help",
+    "python train.py --pretrained runs/default/checkpoints/epoch_latest.pt --ctx-len 248 "
+    "--train-data data/long --lora-rank 16 --output runs/long": "help",
+    "python train.py --pretrained runs/default/checkpoints/epoch_latest.pt --ctx-len 248 "
+    "--train-data data/long --lock-image --output runs/long": "help",
     # evaluation (the paper's sets, 8 GPUs, downloads)
     "python zero_shot.py": "help",
     "python zero_shot.py --model-weight runs/default/checkpoints/epoch_latest.pt": "help",

@@ -1,6 +1,6 @@
 """One factory for training / evaluation loaders: DALI (GPU or CPU-only) or PyTorch, chosen
 by :class:`LoaderArgs`. Every loader yields ``(images float32 (B, 3, S, S), tokens int64
-(B, 231))``, applies the same record checks and raises the same one-line
+(B, 3 x ctx_len))`` (231 at the original's 77 tokens), applies the same record checks and raises the same one-line
 :class:`~rwkv_clip.errors.DataError` naming file and record.
 """
 
@@ -14,7 +14,7 @@ import torch
 from ..errors import DataError, TrainArgsError
 from .dali_pipeline import build_dali_loader, dali_available, dist_info
 from .recordio import check_rec
-from .tokens import CaptionTokens
+from .tokens import CONTEXT_LENGTH, CaptionTokens
 from .torch_loader import RecSource, TokenArraySource, TorchLoader, WdsSource
 
 
@@ -45,9 +45,13 @@ class LoaderArgs:
     image_column: str | None = None
     caption_columns: str | None = None  # e.g. 'raw,synthetic,generated'
     parquet_shuffle_rows: bool | None = None
-    # a .npy of shape (N, 77 x k), row i = record / sample i, whose captions replace the
-    # first k variants (any format; rec and wds then use the torch loader)
+    # a .npy of shape (N, L x k), L = ctx_len or 77, row i = record / sample i, whose
+    # captions replace the first k variants (any format; rec and wds then use the torch
+    # loader)
     caption_tokens: str | None = None
+    # tokens per caption in the batches (the model's ctx_len): captions are tokenised at
+    # it, stored 77-token captions fitted to it (padded, or cut with end-of-text kept)
+    ctx_len: int = 77
     batch_size: int = 64
     workers: int = 2
     input_size: int = 224
@@ -111,15 +115,23 @@ def _build(args, train: bool, data=None, fmt=None, log=print):
     seed = int(_get(args, "seed", 0))
     skip = bool(_get(args, "skip_corrupt", False))
     tokens_path = _get(args, "caption_tokens", None)
+    ctx_len = int(_get(args, "ctx_len", CONTEXT_LENGTH))
+    if ctx_len < 1:
+        raise TrainArgsError(f"--ctx-len must be >= 1, got {ctx_len}")
+    if ctx_len != CONTEXT_LENGTH and _get(args, "loader", "auto") == "dali":
+        raise TrainArgsError(f"--loader dali reads 3 x {CONTEXT_LENGTH} caption tokens only; "
+                             f"use --loader auto or torch for --ctx-len {ctx_len}")
     if fmt == "parquet" or tokens_path:
         # DALI reads neither parquet nor a separate token array: the torch DataLoader does
         if _get(args, "loader", "auto") == "dali":
             what = "parquet" if fmt == "parquet" else "--caption-tokens"
             raise TrainArgsError(f"--loader dali cannot read {what}; use --loader auto or torch")
         backend, cpu_mode = "torch", True
+    elif ctx_len != CONTEXT_LENGTH:  # DALI's label pipeline is fixed at 3 x 77
+        backend, cpu_mode = "torch", True
     else:
         backend, cpu_mode = _choose(args)
-    tokens = CaptionTokens(tokens_path) if tokens_path else None
+    tokens = CaptionTokens(tokens_path, ctx_len) if tokens_path else None
     if fmt == "parquet":
         from .parquet import build_parquet_loader
         return build_parquet_loader(
@@ -127,7 +139,7 @@ def _build(args, train: bool, data=None, fmt=None, log=print):
             rank=rank, world_size=world, skip_corrupt=skip,
             image_column=_get(args, "image_column", None),
             caption_columns=_get(args, "caption_columns", None), caption_tokens=tokens,
-            shuffle_rows=_get(args, "parquet_shuffle_rows", None), log=log)
+            shuffle_rows=_get(args, "parquet_shuffle_rows", None), log=log, ctx_len=ctx_len)
     if backend == "dali":
         try:
             return build_dali_loader(
@@ -143,13 +155,13 @@ def _build(args, train: bool, data=None, fmt=None, log=print):
                 log("[data] falling back to the torch loader to skip bad wds samples")
     if fmt == "rec":
         level = _get(args, "check_level", None) or "quick"
-        chk = check_rec(data, level=level)
+        chk = check_rec(data, level=level, ctx_len=ctx_len)
         if chk.bad and not skip:
             key, reason = chk.bad[0]
             raise DataError(reason, chk.rec_path, key)
         if chk.bad and log:
             log(f"[data] skipping {len(chk.bad)} corrupt record(s) in {chk.rec_path}")
-        source: RecSource | TokenArraySource | WdsSource = RecSource(data, chk.good)
+        source: RecSource | TokenArraySource | WdsSource = RecSource(data, chk.good, ctx_len)
         pre_skipped = len(chk.bad)
         if tokens is not None:
             keys = [k for k, _ in chk.good]
@@ -157,11 +169,11 @@ def _build(args, train: bool, data=None, fmt=None, log=print):
             source = TokenArraySource(source, tokens, keys)
     else:
         from .wds import check_wds
-        index = check_wds(data, skip_corrupt=skip)
+        index = check_wds(data, skip_corrupt=skip, ctx_len=ctx_len)
         if index.bad and log:
             log(f"[data] skipping {len(index.bad)} problem(s) in the shards; first: "
                 f"{index.bad[0]}")
-        source = WdsSource(index)
+        source = WdsSource(index, ctx_len)
         pre_skipped = len(index.bad)
         if tokens is not None:
             if any(reason.startswith("unreadable") for _, _, reason in index.bad):

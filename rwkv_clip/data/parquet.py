@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .tokens import encode_captions_batch, tokens_from_row
+from .tokens import CONTEXT_LENGTH, encode_captions_batch, tokens_from_row
 from .torch_loader import (
     MAX_SKIP_TRIES,
     FailedSample,
@@ -334,8 +334,9 @@ class RankShare:
 class ParquetRows:
     """Per-process reader of row groups with a small cache (pickles without handles)."""
 
-    def __init__(self, index: ParquetIndex, cache_rows: int):
+    def __init__(self, index: ParquetIndex, cache_rows: int, ctx_len: int = CONTEXT_LENGTH):
         self.files = index.files
+        self.ctx_len = int(ctx_len)  # stored token rows are read at this context length
         self.units = index.units
         assert index.columns is not None  # set by the index once a file is read
         self.cols: ParquetColumns = index.columns
@@ -393,7 +394,8 @@ class ParquetRows:
         return unit.global_row + int(unit.rows[j])
 
     def read(self, u: int, j: int):
-        """-> (image bytes, captions tuple or tokens (231,) or None); DataError if bad."""
+        """-> (image bytes, captions tuple or tokens (3 ctx_len,) or None); DataError if
+        bad."""
         t = self.table(u)
         r = int(self.units[u].rows[j])
         where = self.where(u, j)
@@ -411,7 +413,7 @@ class ParquetRows:
             toks = t.column(1)[r].as_py()
             if toks is None:
                 raise DataError(f"null token list in column {self.cols.captions[0]!r}", *where)
-            return value, tokens_from_row(np.asarray(toks), *where)
+            return value, tokens_from_row(np.asarray(toks), *where, ctx_len=self.ctx_len)
         caps = [t.column(1 + k)[r].as_py() for k in range(len(self.cols.captions))]
         if not isinstance(caps[0], str) or not caps[0].strip():
             raise DataError(f"missing raw caption in column {self.cols.captions[0]!r}", *where)
@@ -435,8 +437,10 @@ class ParquetBatches(torch.utils.data.Dataset):
 
     def __init__(self, index: ParquetIndex, batch_size: int, size: int, train: bool,
                  seed: int, rank: int, world_size: int, skip_corrupt: bool,
-                 caption_tokens=None, shuffle_rows: int = DEFAULT_SHUFFLE_ROWS):
+                 caption_tokens=None, shuffle_rows: int = DEFAULT_SHUFFLE_ROWS,
+                 ctx_len: int = CONTEXT_LENGTH):
         self.size, self.train, self.seed, self.rank = int(size), train, seed, rank
+        self.ctx_len = int(ctx_len)
         self.skip_corrupt, self.caption_tokens = skip_corrupt, caption_tokens
         self.shuffle_rows = int(shuffle_rows)
         self.counts = np.array([len(u.rows) for u in index.units], dtype=np.int64)
@@ -444,7 +448,8 @@ class ParquetBatches(torch.utils.data.Dataset):
         # a worker touches every row group of the current shuffle window (and, at a
         # window edge, of the next one): keep two windows' worth of row groups
         group_rows = max(int(u.rows[-1]) + 1 for u in index.units)
-        self.rows = ParquetRows(index, cache_rows=2 * (self.shuffle_rows + group_rows))
+        self.rows = ParquetRows(index, cache_rows=2 * (self.shuffle_rows + group_rows),
+                                ctx_len=self.ctx_len)
         self._plan: EpochPlan | None = None
 
     def __len__(self):
@@ -497,7 +502,7 @@ class ParquetBatches(torch.utils.data.Dataset):
         elif isinstance(caps[0], np.ndarray):
             own = caps
         else:
-            own = list(encode_captions_batch(caps))
+            own = list(encode_captions_batch(caps, self.ctx_len))
         if self.caption_tokens is not None:
             ct = self.caption_tokens
             return np.stack([ct.tokens(r, o) for r, o in zip(ids, own, strict=True)])
@@ -523,7 +528,7 @@ class ParquetLoader:
     def __init__(self, index: ParquetIndex, batch_size: int, input_size: int, workers: int = 0,
                  train: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
                  skip_corrupt: bool = False, caption_tokens=None, log=None,
-                 shuffle_rows: int = DEFAULT_SHUFFLE_ROWS):
+                 shuffle_rows: int = DEFAULT_SHUFFLE_ROWS, ctx_len: int = CONTEXT_LENGTH):
         if caption_tokens is not None:
             if index.rows_unknown:
                 raise DataError("cannot line up caption-token rows with the parquet rows: "
@@ -531,7 +536,8 @@ class ParquetLoader:
             caption_tokens.check(index.num_rows + index.bad_rows,
                                  f"the parquet files ({len(index.files)})")
         self.dataset = ParquetBatches(index, batch_size, input_size, train, seed, rank,
-                                      world_size, skip_corrupt, caption_tokens, shuffle_rows)
+                                      world_size, skip_corrupt, caption_tokens, shuffle_rows,
+                                      ctx_len)
         self.index = index
         self.batch_size = batch_size
         self.num_samples = index.usable  # usable rows over all ranks
@@ -577,8 +583,9 @@ def build_parquet_loader(data, *, batch_size: int, input_size: int, workers: int
                          seed: int, rank: int, world_size: int, skip_corrupt: bool,
                          image_column: str | None = None, caption_columns=None,
                          caption_tokens=None, shuffle_rows: int | None = None,
-                         log=print) -> ParquetLoader:
-    """Index the shards and return a :class:`ParquetLoader` (see the module doc)."""
+                         log=print, ctx_len: int = CONTEXT_LENGTH) -> ParquetLoader:
+    """Index the shards and return a :class:`ParquetLoader` (see the module doc); captions
+    are tokenised, and stored token rows fitted, at ``ctx_len`` tokens."""
     index = index_parquet(data, image_column, caption_columns, skip_corrupt,
                           need_captions=caption_tokens is None)
     if log and index.bad:
@@ -589,10 +596,11 @@ def build_parquet_loader(data, *, batch_size: int, input_size: int, workers: int
     return ParquetLoader(index, batch_size, input_size, workers=workers, train=train, seed=seed,
                          rank=rank, world_size=world_size, skip_corrupt=skip_corrupt,
                          caption_tokens=caption_tokens, log=log,
-                         shuffle_rows=shuffle_rows or DEFAULT_SHUFFLE_ROWS)
+                         shuffle_rows=shuffle_rows or DEFAULT_SHUFFLE_ROWS, ctx_len=ctx_len)
 
 
-def iter_parquet_samples(spec, image_column: str | None = None, caption_columns=None):
+def iter_parquet_samples(spec, image_column: str | None = None, caption_columns=None,
+                         ctx_len: int = CONTEXT_LENGTH):
     """Rows of parquet shards as writer samples (for ``make_rec.py``), in file order:
     ``{"name", "image_bytes", "raw", "synthetic", "generated"}`` or ``{"name", "image_bytes",
     "tokens"}`` for a token column; bad rows and filtered ones as ``{"name", "error"}``.
@@ -600,10 +608,10 @@ def iter_parquet_samples(spec, image_column: str | None = None, caption_columns=
     The shards are indexed here, before the first sample is asked for, so a wrong column
     name fails before any output is written."""
     index = index_parquet(spec, image_column, caption_columns, skip_corrupt=True)
-    return _parquet_samples(index)
+    return _parquet_samples(index, ctx_len)
 
 
-def _parquet_samples(index: ParquetIndex):
+def _parquet_samples(index: ParquetIndex, ctx_len: int = CONTEXT_LENGTH):
     for path, _, reason in index.bad:
         yield {"name": os.path.basename(path), "error": reason}
     _, pq = _pa()
@@ -621,7 +629,7 @@ def _parquet_samples(index: ParquetIndex):
             detail = ", ".join(f"{c} {row[c]!r}" for c in cols)
         yield {"name": f"{os.path.basename(path)}:row {first_rows[(fi, g)] + r}",
                "error": "img2dataset status is not 'success'", "detail": detail}
-    rows = ParquetRows(index, cache_rows=1)
+    rows = ParquetRows(index, cache_rows=1, ctx_len=ctx_len)
     for u, unit in enumerate(index.units):
         for j in range(len(unit.rows)):
             path, row = rows.where(u, j)

@@ -16,7 +16,7 @@ from typing import BinaryIO, TextIO
 import numpy as np
 
 from ..errors import DataError
-from .tokens import label_problem
+from .tokens import CONTEXT_LENGTH, expected_layouts, label_problem, stored_layout
 
 # Each physical record: uint32 magic, uint32 (cflag << 29 | length), the bytes zero-padded
 # to 4. A payload holding the magic at an aligned offset is split there (the magic is
@@ -335,10 +335,11 @@ class RecCheck:
     label_counts: set           # distinct label counts seen among checked records
 
 
-def _check_one(f, rec_size: int, key, off: int, check_image: bool) -> tuple[str | None, int]:
+def _check_one(f, rec_size: int, key, off: int, check_image: bool,
+               ctx_len: int = CONTEXT_LENGTH) -> tuple[str | None, int]:
     """Inspect the record at ``off`` cheaply. Returns (reason or None, label count)."""
     f.seek(off)
-    head = f.read(8 + IR_SIZE + 4 * 231 + 4)
+    head = f.read(8 + IR_SIZE + 4 * 3 * max(ctx_len, CONTEXT_LENGTH) + 4)
     if len(head) < 8:
         return f"offset {off} points past the end of the file", 0
     magic, lrec = struct.unpack_from("<II", head, 0)
@@ -362,8 +363,8 @@ def _check_one(f, rec_size: int, key, off: int, check_image: bool) -> tuple[str 
     if len(payload) < IR_SIZE:
         return "record shorter than its IRHeader", 0
     flag = struct.unpack_from("<I", payload, 0)[0]
-    if flag not in (231, 154):
-        return f"record has {flag} labels; expected 231 (or 154)", flag
+    if stored_layout(flag, ctx_len) is None:
+        return f"record has {flag} labels; expected {expected_layouts(ctx_len)}", flag
     img_off = IR_SIZE + 4 * flag
     if cflag == 0 and length < img_off + 4:
         return "record holds no image bytes", flag
@@ -395,11 +396,12 @@ AUTO_FULL_CHECK_MAX = 1_000_000
 
 
 def check_rec(prefix: str, level: str = "full", check_image: bool = True,
-              max_quick: int = 1024) -> RecCheck:
+              max_quick: int = 1024, ctx_len: int = CONTEXT_LENGTH) -> RecCheck:
     """Validate a ``.rec``/``.idx`` pair without decoding images.
 
     ``level='full'`` inspects every record (two small reads per record: magic, length
-    inside the file, label count 231/154, label values are token ids, image signature,
+    inside the file, label count 3 or 2 captions of ``ctx_len`` or 77 tokens, label values
+    are token ids, image signature,
     JPEG end marker present); ``'quick'`` inspects
     the first, last and up to ``max_quick`` evenly spaced records; ``'auto'`` is full up
     to ``AUTO_FULL_CHECK_MAX`` records, else quick. File-level problems
@@ -429,7 +431,7 @@ def check_rec(prefix: str, level: str = "full", check_image: bool = True,
     with open(rec_path, "rb") as f:
         for i in sel:
             key, off = index[i]
-            reason, cnt = _check_one(f, rec_size, key, off, check_image)
+            reason, cnt = _check_one(f, rec_size, key, off, check_image, ctx_len)
             if reason is None:
                 counts.add(cnt)
             else:

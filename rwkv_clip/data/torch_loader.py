@@ -1,7 +1,7 @@
 """PyTorch ``DataLoader`` fallback with the DALI loader's contract.
 
-Yields ``(images float32 (B, 3, S, S), tokens int64 (B, 231))`` from ``.rec``/``.idx`` and
-WebDataset shards with a ``tok`` component. Sharding, full batches, per-sample seeded
+Yields ``(images float32 (B, 3, S, S), tokens int64 (B, 3 x ctx_len))`` from
+``.rec``/``.idx`` and WebDataset shards with a ``tok`` component. Sharding, full batches, per-sample seeded
 augmentation and ``skip_corrupt`` counting are described in docs/data.md.
 """
 
@@ -19,7 +19,7 @@ from PIL import Image
 from ..errors import DataError
 from .decoding import decode_image, undecodable
 from .recordio import RecordIOReader, unpack
-from .tokens import normalize_labels
+from .tokens import CONTEXT_LENGTH, normalize_labels
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -31,7 +31,8 @@ MAX_SKIP_TRIES = 64
 class RecSource:
     """Random access to (image bytes, tokens) of a ``.rec`` (optionally a subset of keys)."""
 
-    def __init__(self, prefix: str, entries=None):
+    def __init__(self, prefix: str, entries=None, ctx_len: int = CONTEXT_LENGTH):
+        self.ctx_len = int(ctx_len)  # tokens per caption handed on (stored 77 are fitted)
         self.reader = RecordIOReader(prefix, check_index=entries is None)
         self.entries = list(entries) if entries is not None else list(self.reader.index)
         if not self.entries:
@@ -49,18 +50,19 @@ class RecSource:
         _, labels, image = unpack(payload, self.reader.rec_path, key)
         if labels is None:
             raise DataError("record has no label vector (flag 0)", self.reader.rec_path, key)
-        return image, normalize_labels(labels, self.reader.rec_path, key)
+        return image, normalize_labels(labels, self.reader.rec_path, key, self.ctx_len)
 
 
 class WdsSource:
     """Random access to samples of indexed WebDataset shards."""
 
-    def __init__(self, index):
+    def __init__(self, index, ctx_len: int = CONTEXT_LENGTH):
+        self.ctx_len = int(ctx_len)
         self.samples = index.samples
         if not self.samples:
             raise DataError("no samples to read", ", ".join(index.shards[:3]))
         self._fhs: dict = {}
-        self._pid = None
+        self._pid: int | None = None
 
     def __getstate__(self):
         st = self.__dict__.copy()
@@ -94,7 +96,7 @@ class WdsSource:
         if len(img) != s.image[1] or len(tok) != s.tok[1]:
             raise DataError("truncated sample", s.shard, s.key)
         toks = np.frombuffer(tok, dtype="<i4")
-        return img, normalize_labels(toks, s.shard, s.key)
+        return img, normalize_labels(toks, s.shard, s.key, self.ctx_len)
 
 
 # ----------------------------------------------------------------------------- transforms

@@ -12,6 +12,7 @@ import tarfile
 from dataclasses import dataclass, field
 
 from ..errors import DataError
+from .tokens import CONTEXT_LENGTH, expected_layouts, stored_layout
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 TOK_EXT = "tok"
@@ -95,11 +96,12 @@ class WdsIndex:
         return len(self.samples)
 
 
-def index_shards(paths: list[str]) -> WdsIndex:
+def index_shards(paths: list[str], ctx_len: int = CONTEXT_LENGTH) -> WdsIndex:
     """Scan tar headers of every shard; collect complete samples and problems.
 
     A sample is the tar members sharing a key: an image (``jpg``, also
-    ``jpeg``/``png``/``webp``) and ``tok`` (231, or 154, little-endian int32 token ids);
+    ``jpeg``/``png``/``webp``) and ``tok`` (3 or 2 captions of ``ctx_len`` or 77
+    little-endian int32 token ids);
     other members (txt, json) are ignored. Only the headers are read (an uncompressed tar
     is seekable: one small read per member), and the byte ranges returned give the torch
     loader random access and let the DALI path reject bad shards before DALI sees them.
@@ -148,9 +150,9 @@ def index_shards(paths: list[str]) -> WdsIndex:
                                            "with scripts/make_rec.py --format wds)"))
                 continue
             toff, tsize = g[TOK_EXT]
-            if tsize not in (231 * 4, 154 * 4):
-                out.bad.append((path, key, f"'tok' holds {tsize} bytes; expected "
-                                           f"{231 * 4} (231 int32) or {154 * 4}"))
+            if tsize % 4 or stored_layout(tsize // 4, ctx_len) is None:
+                out.bad.append((path, key, f"'tok' holds {tsize} bytes; expected int32 "
+                                           f"token ids, {expected_layouts(ctx_len)}"))
                 continue
             ioff, isize = g[img]
             if ioff + isize > size or toff + tsize > size:
@@ -163,9 +165,9 @@ def index_shards(paths: list[str]) -> WdsIndex:
     return out
 
 
-def check_wds(spec, skip_corrupt: bool = False) -> WdsIndex:
+def check_wds(spec, skip_corrupt: bool = False, ctx_len: int = CONTEXT_LENGTH) -> WdsIndex:
     """List + index shards; raise DataError on the first problem unless skip_corrupt."""
-    idx = index_shards(list_shards(spec))
+    idx = index_shards(list_shards(spec), ctx_len)
     if idx.bad and not skip_corrupt:
         shard, key, reason = idx.bad[0]
         more = f" (+{len(idx.bad) - 1} more problems)" if len(idx.bad) > 1 else ""

@@ -21,7 +21,7 @@ from PIL import Image
 
 from ..errors import DataError
 from .recordio import RecordIOWriter
-from .tokens import NUM_LABELS, encode_captions_batch, labels_for_rec
+from .tokens import CONTEXT_LENGTH, NUM_LABELS, encode_captions_batch, labels_for_rec
 from .wds import sample_key
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
@@ -212,11 +212,12 @@ def is_parquet_input(path: str) -> bool:
 
 
 def iter_input(path: str, image_column: str | None = None,
-               caption_columns=None, encoding: str = "utf-8") -> Iterator[dict]:
+               caption_columns=None, encoding: str = "utf-8",
+               context_length: int = CONTEXT_LENGTH) -> Iterator[dict]:
     """Dispatch on the input kind (JSONL/CSV file, img2dataset folder, parquet)."""
     if is_parquet_input(path):
         from .parquet import iter_parquet_samples
-        return iter_parquet_samples(path, image_column, caption_columns)
+        return iter_parquet_samples(path, image_column, caption_columns, context_length)
     if os.path.isdir(path):
         return iter_img2dataset(path)
     return iter_pairs_file(path, encoding)
@@ -294,10 +295,12 @@ def _load_bytes(sample: dict) -> bytes:
 
 
 def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_examples: list,
-              chunk: int = 256) -> Iterator[tuple[str, bytes, np.ndarray, tuple | None]]:
-    """Validate samples and tokenise them in chunks -> (name, jpeg, tokens(231,), captions).
+              chunk: int = 256, context_length: int = CONTEXT_LENGTH
+              ) -> Iterator[tuple[str, bytes, np.ndarray, tuple | None]]:
+    """Validate samples and tokenise them in chunks -> (name, jpeg, tokens (3 L,),
+    captions), L = ``context_length`` tokens per caption.
 
-    A sample with stored ``tokens`` (231,) keeps them and has captions None.
+    A sample with stored ``tokens`` (3 L,) keeps them and has captions None.
     """
     buf: list[tuple[Any, bytes, tuple | None, Any]] = []
 
@@ -305,7 +308,7 @@ def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_example
         if not buf:
             return
         texts = [b[2] for b in buf if b[3] is None and b[2] is not None]
-        toks = iter(encode_captions_batch(texts)) if texts else iter(())
+        toks = iter(encode_captions_batch(texts, context_length)) if texts else iter(())
         for name, jpg, caps, stored in buf:
             yield name, jpg, (next(toks) if stored is None else stored), caps
         buf.clear()
@@ -344,15 +347,19 @@ def _progress(it, total=None, desc="", enabled=True):
 
 
 def write_rec(samples: Iterable[dict], prefix: str, resize: int | None = None,
-              progress: bool = False, total: int | None = None) -> dict:
-    """Write samples to ``PREFIX.rec``/``PREFIX.idx``; return a summary dict."""
+              progress: bool = False, total: int | None = None,
+              context_length: int = CONTEXT_LENGTH) -> dict:
+    """Write samples to ``PREFIX.rec``/``PREFIX.idx`` (captions of ``context_length``
+    tokens); return a summary dict."""
+    check_positive(context_length, "context_length")
     check_positive(resize, "resize")
     summary: Counter = Counter()
     examples: list = []
     writer = RecordIOWriter(prefix + ".rec", prefix + ".idx")
     with writer:
         for _, jpg, tok, _ in _prepared(_progress(samples, total, "make_rec", progress),
-                                        resize, summary, examples):
+                                        resize, summary, examples,
+                                        context_length=context_length):
             writer.write_image_record(writer.count, labels_for_rec(tok), jpg)
         if writer.count == 0:
             raise nothing_written(summary, examples, prefix + ".rec")
@@ -383,9 +390,11 @@ def _add(tf: tarfile.TarFile, name: str, data: bytes):
 
 def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
               resize: int | None = None, progress: bool = False,
-              total: int | None = None) -> dict:
-    """Write WebDataset shards ``PREFIX-%06d.tar`` (jpg, tok, txt, json per sample)."""
+              total: int | None = None, context_length: int = CONTEXT_LENGTH) -> dict:
+    """Write WebDataset shards ``PREFIX-%06d.tar`` (jpg, tok, txt, json per sample;
+    captions of ``context_length`` tokens)."""
     check_positive(shard_size, "shard_size")
+    check_positive(context_length, "context_length")
     check_positive(resize, "resize")
     os.makedirs(os.path.dirname(os.path.abspath(prefix)) or ".", exist_ok=True)
     summary: Counter = Counter()
@@ -395,7 +404,8 @@ def write_wds(samples: Iterable[dict], prefix: str, shard_size: int = 1000,
     n = 0
     try:
         for _, jpg, tok, caps in _prepared(_progress(samples, total, "make_wds", progress),
-                                           resize, summary, examples):
+                                           resize, summary, examples,
+                                           context_length=context_length):
             if n % shard_size == 0:
                 if tf is not None:
                     tf.close()
@@ -438,12 +448,15 @@ def check_positive(value, name: str) -> None:
 
 def convert(input_path: str, output_prefix: str, fmt: str = "rec", resize: int | None = None,
             shard_size: int = 1000, progress: bool = True, image_column: str | None = None,
-            caption_columns=None, encoding: str = "utf-8") -> dict:
+            caption_columns=None, encoding: str = "utf-8",
+            context_length: int = CONTEXT_LENGTH) -> dict:
     """One call from pairs file / img2dataset folder / parquet to rec or wds output
-    (``encoding``: of a JSONL/CSV pairs file)."""
+    (``encoding``: of a JSONL/CSV pairs file; ``context_length``: tokens per stored
+    caption, 77 as the original's data, or the ``--ctx-len`` of a long-caption model)."""
     check_positive(resize, "resize")
     check_positive(shard_size, "shard_size")
-    samples = iter_input(input_path, image_column, caption_columns, encoding)
+    check_positive(context_length, "context_length")
+    samples = iter_input(input_path, image_column, caption_columns, encoding, context_length)
     total = None
     if is_parquet_input(input_path):
         from .parquet import count_parquet_rows
@@ -454,10 +467,11 @@ def convert(input_path: str, output_prefix: str, fmt: str = "rec", resize: int |
         if input_path.lower().endswith((".csv", ".tsv")):
             total -= 1
     if fmt == "rec":
-        return write_rec(samples, output_prefix, resize=resize, progress=progress, total=total)
+        return write_rec(samples, output_prefix, resize=resize, progress=progress, total=total,
+                         context_length=context_length)
     if fmt == "wds":
         return write_wds(samples, output_prefix, shard_size=shard_size, resize=resize,
-                         progress=progress, total=total)
+                         progress=progress, total=total, context_length=context_length)
     raise ValueError(f"unknown format {fmt!r} (rec or wds)")
 
 

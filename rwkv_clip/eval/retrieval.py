@@ -1,7 +1,8 @@
 """Zero-shot image-text retrieval: MSCOCO 5k / Flickr30k 1k test splits, or any JSONL.
 
-Reads JSONL pairs and the Karpathy-split files (docs/evaluation.md) and reports
-CLIP_benchmark's image->text and text->image recall@1/5/10.
+Reads JSONL pairs, the Karpathy-split files, long-caption sets in their published layouts
+(Urban1k's image/ + caption/ folders, ShareGPT4V/DCI-style JSON) (docs/evaluation.md) and
+reports CLIP_benchmark's image->text and text->image recall@1/5/10.
 """
 from __future__ import annotations
 
@@ -21,8 +22,15 @@ from .metrics import retrieval_metrics
 
 ORIGINAL_CAPTION_PREFIX = "a photo of "
 RETRIEVAL_ALIASES = {"coco": "mscoco", "mscoco_captions": "mscoco", "mscoco": "mscoco",
-                     "flickr": "flickr30k", "flickr30k": "flickr30k"}
+                     "flickr": "flickr30k", "flickr30k": "flickr30k",
+                     "urban1k": "urban1k", "urban-1k": "urban1k",
+                     "sharegpt4v": "sharegpt4v", "dci": "dci"}
 FILE_SETS = ("jsonl", "retrieval", "custom")  # names of a --retrieval-file set (jsonl first)
+# long-caption sets read from a JSON file the user names (--retrieval-file)
+JSON_SETS = ("sharegpt4v", "dci")
+CAPTION_FOLDER_LAYOUT = ("{root}/image/NAME.jpg (any image type)\n"
+                         "{root}/caption/NAME.txt  (one caption per image, the same NAME; "
+                         "{root} may also hold Urban1k/)")
 ANNOTATION_CANDIDATES = {
     "mscoco": ("coco_karpathy_test.json", "annotations/coco_karpathy_test.json",
                "dataset_coco.json", "annotations/dataset_coco.json"),
@@ -89,12 +97,27 @@ def _records_from_file(path: Path) -> list[tuple[str, list[str]]]:
                     "Karpathy's {images: [...]} file")
 
 
+def _conversation_captions(turns, where: str) -> list[str]:
+    """ShareGPT4V's ``conversations``: the answers (``"from": "gpt"``) are the captions."""
+    if not isinstance(turns, list):
+        raise EvalError(f"{where}: 'conversations' must be a list of {{from, value}} turns")
+    caps = [t["value"].strip() for t in turns if isinstance(t, dict)
+            and t.get("from") in ("gpt", "assistant") and isinstance(t.get("value"), str)]
+    if not caps:
+        raise EvalError(f"{where}: 'conversations' holds no answer (a turn with \"from\": "
+                        "\"gpt\" and a \"value\" string)")
+    return caps
+
+
 def _record(obj, where: str) -> tuple[str, list[str]]:
-    """One annotation: ``captions`` (list or string) or ``caption``, else make_rec's pair
-    format (``raw``, or its aliases ``caption``/``text``; ``synthetic``/``generated`` are
-    training variants, not reference captions, and are not used)."""
+    """One annotation: ``captions`` (list or string) or ``caption``, ShareGPT4V's
+    ``conversations`` (its answers), else make_rec's pair format (``raw``, or its aliases
+    ``caption``/``text``; ``synthetic``/``generated`` are training variants, not
+    reference captions, and are not used)."""
     if not isinstance(obj, dict) or "image" not in obj:
         raise EvalError(f"{where}: expected an object with 'image' and 'captions' (or 'raw')")
+    if "conversations" in obj and not any(k in obj for k in ("captions", "caption")):
+        return str(obj["image"]), _conversation_captions(obj["conversations"], where)
     caps = obj.get("captions", obj.get("caption", obj.get("raw", obj.get("text"))))
     if isinstance(caps, str):
         caps = [caps]
@@ -151,6 +174,39 @@ def load_retrieval_file(path: str | os.PathLike, image_root: str | os.PathLike |
     return RetrievalSet(name or path.stem, images, captions, t2i)
 
 
+def load_caption_folder(root: str | os.PathLike, name: str = "urban1k") -> RetrievalSet:
+    """Urban1k's layout: ``root/image/X.jpg`` with ``root/caption/X.txt`` (the caption,
+    UTF-8), pairs matched by file stem in sorted order; ``root`` may also hold
+    ``Urban1k/``. An image without a caption file, or the reverse, is an error."""
+    root = Path(root)
+    if not (root / "caption").is_dir() and (root / "Urban1k" / "caption").is_dir():
+        root = root / "Urban1k"
+    if not (root / "image").is_dir() or not (root / "caption").is_dir():
+        raise DatasetNotFoundError(
+            f"retrieval set {name!r} not found under --data-root {root}. Expected layout:\n"
+            "    " + CAPTION_FOLDER_LAYOUT.format(root=root).replace("\n", "\n    "))
+    from .datasets import _is_image
+
+    images = {p.stem: p for p in sorted((root / "image").iterdir()) if _is_image(p.name)}
+    texts = {p.stem: p for p in sorted((root / "caption").iterdir()) if p.suffix == ".txt"}
+    lonely = sorted(set(images) ^ set(texts))
+    if lonely:
+        which = "caption" if lonely[0] in images else "image"
+        raise EvalError(f"{root}: {len(lonely)} file(s) without their pair, e.g. "
+                        f"{lonely[0]!r} has no {which} file (image/NAME.* and caption/NAME.txt "
+                        "go together)")
+    if not images:
+        raise EvalError(f"{root}/image: no images")
+    stems = sorted(images)
+    captions = []
+    for s in stems:
+        text = texts[s].read_text("utf-8").strip()
+        if not text:
+            raise EvalError(f"{texts[s]}: empty caption")
+        captions.append(text)
+    return RetrievalSet(name, [str(images[s]) for s in stems], captions, list(range(len(stems))))
+
+
 def build_retrieval_set(name: str, data_root: str | os.PathLike | None = None,
                         retrieval_file: str | os.PathLike | None = None,
                         caption_prefix: str | None = None) -> RetrievalSet:
@@ -158,13 +214,26 @@ def build_retrieval_set(name: str, data_root: str | os.PathLike | None = None,
     ``data_root`` unless ``retrieval_file`` is given) or ``jsonl`` (``retrieval_file``,
     images relative to ``data_root`` or the file's folder)."""
     key = RETRIEVAL_ALIASES.get(name.lower(), name.lower())
+    if key == "urban1k":
+        if data_root is None:
+            raise EvalError("retrieval set 'urban1k' needs --data-root. Expected layout:\n    "
+                            + CAPTION_FOLDER_LAYOUT.format(root="<data-root>").replace(
+                                "\n", "\n    "))
+        return load_caption_folder(data_root, key)
+    if key in JSON_SETS:
+        if retrieval_file is None:
+            raise EvalError(f"--dataset {name} needs --retrieval-file FILE.json (a list of "
+                            '{"image": path, "conversations": [...]} or {"image", "caption"})')
+        return load_retrieval_file(retrieval_file, data_root, name=key,
+                                   caption_prefix=caption_prefix or "")
     if key in FILE_SETS:
         if retrieval_file is None:
             raise EvalError(f"--dataset {name} needs --retrieval-file FILE.jsonl")
         return load_retrieval_file(retrieval_file, data_root, name="jsonl" if key == "jsonl" else key,
                                    caption_prefix=caption_prefix or "")
     if key not in ANNOTATION_CANDIDATES:
-        raise EvalError(f"unknown retrieval dataset {name!r}: choose mscoco, flickr30k or jsonl")
+        raise EvalError(f"unknown retrieval dataset {name!r}: choose mscoco, flickr30k, "
+                        "urban1k, sharegpt4v, dci or jsonl")
     prefix = ORIGINAL_CAPTION_PREFIX if caption_prefix is None else caption_prefix
     if data_root is None and retrieval_file is None:
         raise EvalError(f"retrieval set {key!r} needs --data-root. Expected layout:\n    "

@@ -45,19 +45,28 @@ def caption_generator(seed: int, rank: int, epoch: int, index: int) -> torch.Gen
     return g
 
 
+def caption_length(width: int, ctx_len: int) -> int:
+    """Tokens per caption in a batch row of ``width`` token ids: the loaders hand on k
+    captions of the model's ``ctx_len``; token batches made elsewhere may hold the
+    original's k x 77."""
+    return ctx_len if width % ctx_len == 0 and width // ctx_len <= NUM_CAPTIONS else CAPTION_LEN
+
+
 def choose_captions(tokens: torch.Tensor, generator: torch.Generator | None,
-                    weights: Sequence[float] | None = None) -> torch.Tensor:
-    """(B, 3*77) raw|synthetic|generated token ids -> (B, 77), one caption per sample.
+                    weights: Sequence[float] | None = None,
+                    caption_len: int = CAPTION_LEN) -> torch.Tensor:
+    """(B, 3 L) raw|synthetic|generated token ids -> (B, L), one caption per sample
+    (L = ``caption_len``, 77 in the original's data).
 
     ``weights`` (raw, synthetic, generated; ``--caption-weights``): the relative
     probability of each variant. Equal weights (the default, the original's uniform
     draw) draw with ``randint``; others with ``multinomial``, from the same generator.
-    Tokens of shape (B, 77) pass through unchanged (a single caption per sample).
+    Tokens of shape (B, L) pass through unchanged (a single caption per sample).
     """
-    if tokens.dim() != 2 or tokens.shape[1] % CAPTION_LEN:
-        raise ValueError(f"caption tokens must be (B, k*{CAPTION_LEN}), got "
+    if tokens.dim() != 2 or tokens.shape[1] % caption_len:
+        raise ValueError(f"caption tokens must be (B, k*{caption_len}), got "
                          f"{tuple(tokens.shape)}")
-    variants = tokens.shape[1] // CAPTION_LEN
+    variants = tokens.shape[1] // caption_len
     if variants == 1:
         return tokens.long()
     w = [1.0] * variants if weights is None else [float(x) for x in weights[:variants]]
@@ -70,7 +79,7 @@ def choose_captions(tokens: torch.Tensor, generator: torch.Generator | None,
     else:
         choice = torch.multinomial(torch.tensor(w, dtype=torch.float64), tokens.shape[0],
                                    replacement=True, generator=generator)
-    index = choice[:, None] * CAPTION_LEN + torch.arange(CAPTION_LEN)[None, :]
+    index = choice[:, None] * caption_len + torch.arange(caption_len)[None, :]
     return tokens.gather(1, index.to(tokens.device)).long()
 
 
@@ -82,8 +91,9 @@ def make_micro_batches(images: Sequence[torch.Tensor], tokens: Sequence[torch.Te
     caching; ``caption_weights`` as :func:`choose_captions`), fit them to the model's
     ``ctx_len``, then move each micro-batch to ``device``."""
     sizes = [t.shape[0] for t in tokens]
-    chosen = fit_context_length(
-        choose_captions(torch.cat(list(tokens)), generator, caption_weights), ctx_len)
+    every = torch.cat(list(tokens))
+    chosen = fit_context_length(choose_captions(
+        every, generator, caption_weights, caption_length(every.shape[1], ctx_len)), ctx_len)
     texts = chosen.split(sizes)
     return [MicroBatch(im.to(device, non_blocking=True), tx.to(device, non_blocking=True))
             for im, tx in zip(images, texts, strict=True)]

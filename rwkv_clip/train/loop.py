@@ -783,7 +783,7 @@ def loader_args(args, info: DistInfo, train_data: str, data_format: str) -> Load
         skip_corrupt=args.skip_corrupt, device=str(info.device), rank=info.rank,
         local_rank=info.local_rank, world_size=info.world_size, loader=args.loader,
         image_column=args.image_column, caption_columns=args.caption_columns,
-        caption_tokens=args.caption_tokens)
+        caption_tokens=args.caption_tokens, ctx_len=int(args.model_config.get("ctx_len", 77)))
 
 
 def set_loader_epoch(loader, epoch: int) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import DistInfo
-from .accumulation import CAPTION_LEN
+from .accumulation import caption_length
 
 VAL_CAPTION = 0  # the raw caption
 RESULTS_NAME = "results.jsonl"
@@ -90,7 +90,8 @@ def evaluate_pairs(model, loader, info: DistInfo, precision: str, batch_size: in
     try:
         with fail_together(info):
             for batch_images, tokens in loader:
-                caption = tokens[:, VAL_CAPTION * CAPTION_LEN:(VAL_CAPTION + 1) * CAPTION_LEN]
+                length = caption_length(tokens.shape[1], ctx_len)
+                caption = tokens[:, VAL_CAPTION * length:(VAL_CAPTION + 1) * length]
                 caption = fit_context_length(caption.long(), ctx_len).to(info.device)
                 with autocast():
                     img = model.encode_image(batch_images.to(info.device))
