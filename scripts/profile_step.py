@@ -128,19 +128,26 @@ def kernel_events(prof, device_type: str) -> list[tuple[str, float]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="B32", help="model config (path or shipped name)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--compile", action="store_true", help="compile_model the model first")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend (aot_eager: trace only, no code generation)")
     ap.add_argument("--warmup", type=int, default=3, help="steps before profiling")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by time")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--trace", default=None, help="also write the Chrome trace here")
     ap.add_argument("--out", default=None, help="write the JSON here too")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     ns = ap.parse_args(argv)
     if ns.steps < 1 or ns.warmup < 0 or ns.batch_size < 1:
         ap.error("--steps and --batch-size must be at least 1, --warmup at least 0")
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device.type == "cuda"
     args, model = build_measured_model(resolve_config_path(ns.config), device, False, None)
     model.train()
-    forward = compile_model(model) if ns.compile else model
+    forward = compile_model(model, backend=ns.compile_backend) if ns.compile else model
     step = make_step(forward, ns.precision, device.type)
     images, tokens = synthetic_batch(args, ns.batch_size, device)
 
