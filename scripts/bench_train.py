@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 import rwkv_clip.layers.time_mix as time_mix
 from rwkv_clip.bench.versus import add_versus_flags, run_versus
+from rwkv_clip.compiling import compile_model
 from rwkv_clip.errors import run_cli
 from rwkv_clip.host_memory import configure_host_malloc
 from rwkv_clip.memory import (
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
     args, model = build_measured_model(config, device, ns.checkpointing, ns.wkv_backend)
     model.train()
     if ns.compile:
-        model = torch.compile(model, backend=ns.compile_backend)
+        model = compile_model(model, backend=ns.compile_backend)
     images, tokens = synthetic_batch(args, batch, device)
     step = make_step(model, precision, device.type)
 

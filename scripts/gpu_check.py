@@ -46,6 +46,14 @@ GiB = 1024 ** 3
 # end past the step's time is skipped by the benchmark itself.
 RESOLUTION_SIDES = "224,448,896,1792,3584"
 RESOLUTION_TRAIN_SIDES = "224,448,896,1792"
+# the speed comparisons of the whole model (GPU_CHECK_ONLY=speed runs these alone, after
+# the environment, imports and kernel build): B/32 batch 256 beside ViT-B-32, the B/16
+# sweep (training batch 16, inference batch 32) and the B/32 step's kernel profile
+SPEED_SIDES = "224,448,896,1792"
+SPEED_STEPS = ("speed_b32_versus", "speed_b16_sweep", "profile_b32_eager",
+               "profile_b32_compiled")
+STEP_GROUPS = {"speed": SPEED_STEPS}
+ALWAYS = ("environment", "imports", "build_kernels")  # every selection needs them
 # the seed's memory claims (README of the original), checked against the measurements
 CLAIMS = {
     "inference_bf16_b1": "< 4 GB",
@@ -106,7 +114,7 @@ def last_json(text: str):
 
 class Runner:
     def __init__(self, budget_s: float, env: dict[str, str], rehearse: bool, cuda: bool,
-                 timeout_scale: float = 1.0):
+                 timeout_scale: float = 1.0, only: set[str] | None = None):
         self.start = time.monotonic()
         self.budget = budget_s
         self.scale = timeout_scale
@@ -114,6 +122,7 @@ class Runner:
         self.rehearse = rehearse
         self.cuda = cuda
         self.steps: dict[str, dict] = {}
+        self.only = only  # step names to run (None: all)
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.start)
@@ -143,7 +152,9 @@ class Runner:
     def run(self, step: Step) -> dict:
         rec: dict = {"why": step.why} if step.why else {}
         limit = min(step.timeout * self.scale, self.left() - 10)
-        if limit < 5:
+        if self.only is not None and step.name not in self.only:
+            rec.update(status="skipped", reason="not selected (GPU_CHECK_ONLY / --only)")
+        elif limit < 5:
             rec.update(status="skipped", reason=f"no time left in the {self.budget:.0f}s budget")
         elif step.cuda and not self.cuda:
             rec.update(status="skipped", reason="no CUDA device", command=" ".join(step.cmd))
@@ -432,6 +443,47 @@ def resolution_step(name: str, timeout: int) -> Step:
                              "--threads", "1"])
 
 
+def speed_steps(timeouts: dict[str, int]) -> list[Step]:
+    """The whole model's speed beside open_clip (bf16, one process, ABBA-interleaved) and
+    the B/32 training step's kernel profile, eager and compiled (scripts/profile_step.py);
+    dry forms on the tiny sizes."""
+    res = [sys.executable, str(SCRIPTS / "bench_resolution.py")]
+    prof = [sys.executable, str(SCRIPTS / "profile_step.py")]
+    dry_res = res + ["--device", "cpu", "--model", "B32", "--precisions", "bf16",
+                     "--sides", "32", "--warmup", "1", "--repeats", "1", "--threads", "1"]
+    dry_prof = prof + ["--device", "cpu", "--config", TINY, "--batch-size", "2",
+                       "--warmup", "1", "--steps", "1", "--threads", "1"]
+    steps = [
+        Step("speed_b32_versus", res + [
+            "--device", "cuda", "--model", "B32", "--precisions", "bf16", "--sides", "224",
+            "--train-sides", "224", "--batch-size", "256", "--train-batch-size", "256",
+            "--warmup", "3", "--repeats", "10",
+            "--max-seconds", str(timeouts["speed_b32_versus"] - 20)],
+            timeouts["speed_b32_versus"], cuda=True, dry=dry_res,
+            why="B/32 beside open_clip ViT-B-32 at batch 256, bf16: the training step (both "
+                "towers, ClipLoss, backward, AdamW) and image-tower inference"),
+        Step("speed_b16_sweep", res + [
+            "--device", "cuda", "--model", "B16", "--precisions", "bf16",
+            "--sides", SPEED_SIDES, "--train-sides", SPEED_SIDES, "--batch-size", "32",
+            "--train-batch-size", "16", "--warmup", "2", "--repeats", "4",
+            "--max-seconds", str(timeouts["speed_b16_sweep"] - 30)],
+            timeouts["speed_b16_sweep"], cuda=True, dry=dry_res,
+            why=f"B/16 beside open_clip ViT-B-16 at {SPEED_SIDES} px, bf16: training at "
+                "batch 16, inference at batch 32, time and peak memory"),
+    ]
+    for name, flags in (("profile_b32_eager", []), ("profile_b32_compiled", ["--compile"])):
+        steps.append(Step(name, prof + ["--device", "cuda", "--config", B32, "--batch-size",
+                                        "256", "--precision", "bf16", "--warmup", "3",
+                                        "--steps", "3", *flags],
+                          timeouts[name], cuda=True,
+                          dry=dry_prof + flags + (["--compile-backend", "aot_eager"]
+                                                  if flags else []),
+                          why="torch.profiler of the B/32 batch-256 bf16 training step "
+                              f"({'compiled' if flags else 'eager'}): kernel launches per "
+                              "step, GPU-time shares by kind"))
+    return steps
+
+
 def fastest_cuda_variant(runner: Runner) -> tuple[str, str]:
     """The faster CUDA variant by summed bf16 fwd+bwd time over the shapes, among those
     that passed the float64 check; faithful when nothing was measured."""
@@ -478,6 +530,17 @@ def summarize(runner: Runner) -> dict:
                       for name in ("rwkv_clip", "open_clip") if name in c}}
                   for c in res.get("cases", [])],
         "slopes": res.get("slopes", [])}
+    out["speed"] = {}
+    for name in SPEED_STEPS:
+        res = s.get(name, {}).get("result") or {}
+        if name.startswith("profile_"):
+            keys = ("launches_per_step", "time_ms_per_step", "shares")
+            out["speed"][name] = {k: res[k] for k in keys if k in res}
+        elif res:
+            out["speed"][name] = [
+                {"task": c["task"], "side": c["side"], "batch": c.get("batch"),
+                 **{k: c[k] for k in ("ratio", "memory_ratio") if k in c}}
+                for c in res.get("cases", [])]
     for key, claim in CLAIMS.items():
         if key.startswith("inference"):
             res = (s.get(f"memory_{key}", {}).get("result") or {}).get("measured") or {}
@@ -505,6 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-scale", type=float, default=1.0,
                     help="multiply every step's timeout (the rehearsal's dry runs share 2 CPU "
                          "cores and build the kernels cold)")
+    ap.add_argument("--only", default=os.environ.get("GPU_CHECK_ONLY") or None,
+                    help="comma-separated steps or groups (speed) to run; the environment, "
+                         "imports and kernel build always run (default: every step)")
+    ap.add_argument("--compile-cache", default=os.environ.get("GPU_CHECK_COMPILE_CACHE")
+                    or str(REPO / ".cache" / "gpu_check" / "compile"),
+                    help="inductor and Triton cache folder, kept between runs")
     ap.add_argument("--subcommand", nargs="+", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.subcommand:
@@ -528,6 +597,14 @@ def main(argv: list[str] | None = None) -> int:
     own_cache = "RWKV_CLIP_KERNEL_CACHE" not in env
     kernels = Path(env.setdefault("RWKV_CLIP_KERNEL_CACHE", str(site.parent / "kernels")))
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    # compiled graphs and Triton kernels (the anchor's, inductor's) from earlier runs
+    compile_cache = Path(ns.compile_cache).resolve()
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
+    env.setdefault("TRITON_CACHE_DIR", str(compile_cache / "triton"))
+    only = None
+    if ns.only:
+        names = [n.strip() for n in ns.only.split(",") if n.strip()]
+        only = set(ALWAYS).union(*(STEP_GROUPS.get(n, (n,)) for n in names))
 
     # wheels first: nothing else imports without them
     wheels = install_wheels(python, site, wheel_dirs, base_env)
@@ -538,11 +615,8 @@ def main(argv: list[str] | None = None) -> int:
                            capture_output=True, text=True, env=env)
     torch_info = last_json(probe.stdout) or {"error": probe.stderr[-1500:]}
     cuda = bool(torch_info.get("available"))
-    # Triton kernels (the chunked WKV, fla's) compile on first use: their cache lives in the
-    # checkout (.cache/ is ignored), so a run can bring it back and the next one reuse it
-    env.setdefault("TRITON_CACHE_DIR", str(REPO / ".cache" / "triton"))
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # fla's autotuning results too
-    runner = Runner(ns.budget, env, ns.rehearse, cuda, ns.timeout_scale)
+    runner = Runner(ns.budget, env, ns.rehearse, cuda, ns.timeout_scale, only)
     runner.steps["wheels"] = wheels
     print(f"== wheels: {wheels['status']} ({len(wheels['installed'])} installed)", file=sys.stderr)
     if ns.rehearse and cuda:
@@ -566,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         for lock in kernels.rglob("lock"):
             lock.unlink()
     runner.run(Step("gpu_tests", [python, "-m", "pytest", "-m", "gpu", "--slow", "-q",
-                                  "-p", "no:cacheprovider", "tests"], 90, cuda=True,
+                                  "-p", "no:cacheprovider", "tests"], 150, cuda=True,
                     dry=[python, "-m", "pytest", "-m", "gpu", "--slow", "-q",
                          "-p", "no:cacheprovider", "--collect-only", "tests"],
                     why="the GPU-marked tests"))
@@ -618,6 +692,9 @@ def main(argv: list[str] | None = None) -> int:
         tag = "_ckpt" if ckpt else ""
         runner.run(train_step(f"train_best_compiled{tag}", best if cuda else "fast", ckpt,
                               True, 150))
+    for step in speed_steps({"speed_b32_versus": 90, "speed_b16_sweep": 240,
+                             "profile_b32_eager": 60, "profile_b32_compiled": 180}):
+        runner.run(step)
     dali = has_module(python, "nvidia.dali", env)
     if not dali:
         runner.note("dali_gpu", "skipped", "DALI is not importable (it cannot travel: ~480 MB)")
@@ -637,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "torch": torch_info,
         "budget_s": ns.budget,
+        "only": sorted(only) if only is not None else None,
+        "compile_cache": str(compile_cache),
         "total_s": round(time.monotonic() - runner.start, 1),
         "all_ok": not failed,
         "failed": failed,

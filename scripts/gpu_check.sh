@@ -16,7 +16,10 @@
 # Python, and runs every step; the CUDA ones run their CPU dry form and are recorded as
 # skipped ("no CUDA device"). Environment: PYTHON (default python3), GPU_CHECK_BUDGET_S
 # (default 465 on the device, 3600 in the rehearsal), GPU_CHECK_TIMEOUT_SCALE (rehearsal
-# only, default 6: its dry runs share 2 CPU cores).
+# only, default 6: its dry runs share 2 CPU cores), GPU_CHECK_ONLY (steps or groups to run,
+# e.g. "speed": the whole model beside open_clip and the step's profile), and
+# GPU_CHECK_COMPILE_CACHE (inductor/Triton cache, default .cache/gpu_check/compile; with
+# $OUT set it is also packed into $OUT/compile-cache.tar.gz for the next run).
 set -euo pipefail
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then   # the comment block above is the help
     sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
@@ -62,5 +65,13 @@ if ! ls .whl/*.whl > /dev/null 2>&1; then
          "can reach an index, then bring .whl/ along)" >&2
     exit 2
 fi
-exec "$PY" scripts/gpu_check.py "${WHEEL_ARGS[@]}" --out "$OUT_JSON" \
-    --budget "${GPU_CHECK_BUDGET_S:-465}"
+CACHE=${GPU_CHECK_COMPILE_CACHE:-.cache/gpu_check/compile}
+rc=0
+"$PY" scripts/gpu_check.py "${WHEEL_ARGS[@]}" --out "$OUT_JSON" --compile-cache "$CACHE" \
+    --budget "${GPU_CHECK_BUDGET_S:-465}" || rc=$?
+# the inductor / Triton cache goes back with the results ($OUT on a lent machine), to be
+# brought along next time (unpacked into .cache/gpu_check/compile)
+if [[ -n ${OUT:-} && -d $CACHE ]]; then
+    tar -czf "$OUT/compile-cache.tar.gz" -C "$CACHE" . || true
+fi
+exit $rc

@@ -161,7 +161,8 @@ def test_the_check_imports_names_the_project_has():
     import ast
     import importlib
 
-    for script in ("gpu_check.py", "bench_train.py", "bench_wkv.py", "bench_infer.py"):
+    for script in ("gpu_check.py", "bench_train.py", "bench_wkv.py", "bench_infer.py",
+                   "profile_step.py"):
         path = Path(__file__).resolve().parents[1] / "scripts" / script
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rwkv_clip"):
@@ -183,3 +184,39 @@ def test_summary_carries_the_resolution_sweep():
         "slopes": fits}
     runner.steps.clear()  # the step skipped or failed without JSON: an empty record
     assert gpu_check.summarize(runner)["resolution"] == {"cases": [], "slopes": []}
+
+
+def test_only_runs_the_selected_steps():
+    runner = gpu_check.Runner(100, dict(os.environ), rehearse=False, cuda=False, only={"kept"})
+    assert runner.run(gpu_check.Step("kept", [sys.executable, "-c", "print('{}')"], 30))[
+        "status"] == "ok"
+    rec = runner.run(gpu_check.Step("left", [sys.executable, "-c", "raise SystemExit(1)"], 30))
+    assert rec["status"] == "skipped" and "not selected" in rec["reason"]
+
+
+def test_speed_steps_parse_with_their_scripts_flags():
+    """The speed steps' commands (and dry forms) are accepted by the scripts they run: a
+    misspelt flag would otherwise surface only on the lent machine."""
+    import argparse
+
+    from rwkv_clip.resolution import add_flags
+    spec = importlib.util.spec_from_file_location("profile_step",
+                                                  REPO / "scripts" / "profile_step.py")
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+    steps = gpu_check.speed_steps({name: 60 for name in gpu_check.SPEED_STEPS})
+    assert [s.name for s in steps] == list(gpu_check.SPEED_STEPS)
+    for step in steps:
+        assert step.cuda and step.dry
+        for cmd in (step.cmd, step.dry):
+            script = Path(cmd[1]).name
+            if script == "bench_resolution.py":
+                ap = argparse.ArgumentParser()
+                add_flags(ap)
+            else:
+                assert script == "profile_step.py"
+                ap = profile_step.build_parser()
+            ns = ap.parse_args(cmd[2:])
+            assert ns.device == ("cuda" if cmd is step.cmd else "cpu")
+    versus = gpu_check.speed_steps({name: 60 for name in gpu_check.SPEED_STEPS})[0].cmd
+    assert versus[versus.index("--batch-size") + 1] == "256"

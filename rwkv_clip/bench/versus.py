@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compiling import compile_model
 from ..errors import ConfigError
 
 OPEN_CLIP_DEFAULT = "ViT-B-32"
@@ -68,7 +69,7 @@ def make_inputs(batch: int, image_size: int, ctx_len: int, vocab: int,
 def maybe_compile(model: nn.Module, mode: str) -> Callable[..., Any]:
     if mode not in MODES:
         raise ConfigError(f"benchmark mode {mode!r}: expected one of {MODES}")
-    return torch.compile(model, dynamic=False) if mode == "compiled" else model
+    return compile_model(model, dynamic=False) if mode == "compiled" else model
 
 
 def training_runner(model: nn.Module, forward: Callable[..., Any], precision: str,

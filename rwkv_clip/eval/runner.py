@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .. import faults
+from ..compiling import compile_model
 from ..config import TOWER_KEYS
 from ..distributed import DistInfo, cleanup_distributed, init_distributed
 from ..errors import EvalError
@@ -80,8 +81,8 @@ def build_eval_model(opts, device: torch.device, info: DistInfo) -> tuple[Any, A
     model = model.to(device).eval()
     if getattr(opts, "torchcompile", False):
         # the evaluators call encode_image / encode_text, so those are what gets compiled
-        model.encode_image = torch.compile(model.encode_image)  # type: ignore[method-assign]
-        model.encode_text = torch.compile(model.encode_text)  # type: ignore[method-assign]
+        model.encode_image = compile_model(model.encode_image)  # type: ignore[method-assign]
+        model.encode_text = compile_model(model.encode_text)  # type: ignore[method-assign]
     model_name = opts.model_name or name
     pretrained = weights.label if weights else f"none (random init, seed {opts.seed})"
     return model, args, model_name, pretrained

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import faults, host_memory
+from ..compiling import compile_model
 from ..distributed import (
     DistInfo,
     any_rank_true,
@@ -234,7 +235,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
             model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
             bucket_cap_mb=32, find_unused_parameters=False)
     if args.torchcompile:  # the step runs compiled; checkpoints keep saving plain `model`
-        ddp_model = torch.compile(ddp_model)
+        ddp_model = compile_model(ddp_model)
     save = functools.partial(save_run_checkpoint, model=model, optimizer=optimizer, scaler=scaler,
                              args=args, info=info, log=log, total_steps=data.total_steps)
     logs = Logs(args, info, log, state.step, data.total_steps, data.steps_per_epoch)
