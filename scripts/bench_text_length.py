@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rwkv_clip.errors import run_cli
 from rwkv_clip.bench.text_length import add_flags
 from rwkv_clip.bench.text_length import main as run
+from rwkv_clip.errors import run_cli
 
 
 def main(argv=None) -> int:

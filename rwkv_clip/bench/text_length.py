@@ -115,8 +115,8 @@ def measure_case(ours: Any, theirs: Any, tokens: torch.Tensor, task: str, repeat
 
 def run(lengths: list[int], tasks: list[str], batch: int, repeats: int, warmup: int,
         config: str, versus: str, log: Callable[[str], None]) -> dict[str, Any]:
-    from .config import load_model_configs
-    from .factory import build_model
+    from ..config import load_model_configs
+    from ..factory import build_model
 
     args = load_model_configs(config)
     args.ctx_len = max(lengths)  # no tensor depends on it: one model reads every length
@@ -201,8 +201,8 @@ def add_flags(ap: Any) -> None:
 
 
 def main(ns: Any, argv: list[str] | None = None) -> int:
+    from ..errors import ConfigError
     from .versus import parse_list
-    from .errors import ConfigError
 
     lengths = parse_list(ns.lengths, int, None, "--lengths")
     tasks = parse_list(ns.tasks, str, ("infer", "train"), "--tasks")
