@@ -66,7 +66,7 @@ def test_wheel_list_matches_the_checks_table():
 
 
 def test_every_project_import_is_preinstalled_or_travels():
-    own_modules = {p.stem for folder in ("tests", "scripts") for p in (REPO / folder).glob("*.py")}
+    own_modules = {p.stem for folder in ("tests", "scripts", ".") for p in (REPO / folder).glob("*.py")}
     available = (set(sys.stdlib_module_names) | set(gpu_check.WHEEL_DISTS.values())
                  | set(gpu_check.DEVICE_PREINSTALLED.values()) | {"rwkv_clip"} | OPTIONAL
                  | own_modules)  # the tests' and scripts' own helpers travel with the tree
@@ -199,7 +199,7 @@ def test_speed_steps_parse_with_their_scripts_flags():
     misspelt flag would otherwise surface only on the lent machine."""
     import argparse
 
-    from rwkv_clip.resolution import add_flags
+    from rwkv_clip.bench.resolution import add_flags
     spec = importlib.util.spec_from_file_location("profile_step",
                                                   REPO / "scripts" / "profile_step.py")
     profile_step = importlib.util.module_from_spec(spec)
