@@ -390,6 +390,18 @@ def default_cache_root() -> str:
         os.path.expanduser("~"), ".cache", "rwkv_clip")
 
 
+def publish_dataset(tmp: str, final: str, spec: dict) -> None:
+    """Mark the finished folder ``tmp`` with ``done.json`` and rename it to ``final`` in one
+    step; a concurrent writer that finished first wins."""
+    with open(os.path.join(tmp, "done.json"), "w") as f:
+        json.dump(spec, f)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not os.path.isfile(os.path.join(final, "done.json")):
+            raise
+
+
 def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 31360,
                            num_val: int = 500, zeroshot_per_class: int = 10
                            ) -> BuiltinDataset:
@@ -428,13 +440,7 @@ def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: in
         _write_zeroshot(os.path.join(tmp, "zeroshot"), s_zs, int(zeroshot_per_class))
         _write_zeroshot(os.path.join(tmp, "zeroshot_shifted"), s_shift,
                         int(zeroshot_per_class), shifted=True)
-        with open(os.path.join(tmp, "done.json"), "w") as f:
-            json.dump(spec, f)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, "done.json")):
-                raise
+        publish_dataset(tmp, final, spec)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ds

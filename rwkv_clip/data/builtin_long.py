@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from ..tokenizer import tokenize
-from .builtin import COLORS, SHAPES, _a, _encode, _outline, _place
+from .builtin import COLORS, SHAPES, _a, _encode, _outline, _place, publish_dataset
 from .recordio import RecordIOWriter
 from .tokens import encode_captions_batch, labels_for_rec
 
@@ -144,13 +144,7 @@ def ensure_long_caption_dataset(root: str | None = None, seed: int = 0, num_trai
                 entries.append({"image": name, "caption": text, "group": g})
         with open(os.path.join(tmp, "eval", "eval.json"), "w") as f:
             json.dump(entries, f, indent=0)
-        with open(os.path.join(tmp, "done.json"), "w") as f:
-            json.dump(spec, f)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, "done.json")):
-                raise
+        publish_dataset(tmp, final, spec)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ds
