@@ -69,7 +69,8 @@ def run_seed(seed: int, a, data, log) -> dict:
     out = os.path.join(a.runs, f"seed{seed}")
     argv = ["--config", a.config, "--ctx-len", str(CONTEXT_LENGTH), "--train-data",
             data.train_prefix, "--data-format", "rec", "--output", out, "--seed", str(seed),
-            "--epochs", str(a.epochs), "--batch-size", str(a.batch_size), "--device", "cpu",
+            "--epochs", str(a.epochs), "--batch-size", str(a.batch_size), "--lr", str(a.lr),
+            "--device", "cpu",
             "--loader", "torch", "--workers", str(a.workers), "--progress", "False",
             "--final-zero-shot", "False", "--report-to", "none", "--log-every", "16"]
     if a.max_steps:
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=1, help="passes over the training scenes")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--num-train", type=int, default=8192, help="training scenes")
     p.add_argument("--num-groups", type=int, default=64,

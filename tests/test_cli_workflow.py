@@ -378,7 +378,7 @@ def test_resume_log_epochs_loader_zero_shot_note_and_report(tmp_path):
     curves = parse_training_log(out / "training.log")
     steps, lr = curves.lr_curve()
     assert steps == [1, 2, 3, 4]
-    assert lr == [lr_at(min(s, 3), kind="cosine", max_lr=3e-3, total_steps=4, warmup=0.1)[0]
+    assert lr == [lr_at(min(s, 3), kind="cosine", max_lr=1.5e-3, total_steps=4, warmup=0.1)[0]
                   for s in steps]
 
 

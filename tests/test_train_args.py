@@ -46,7 +46,7 @@ def test_no_arguments_means_small_config_on_builtin_data():
     assert args.data_format == "builtin" and args.train_data is None
     assert args.config_source.endswith("RWKV_CLIP_small.json")
     assert (args.n_embd, args.input_size, args.precision) == (128, 32, "fp32")
-    assert (args.epochs, args.lr, args.batch_size, args.log_format) == (2, 3e-3, 64, "plain")
+    assert (args.epochs, args.lr, args.batch_size, args.log_format) == (2, 1.5e-3, 64, "plain")
 
 
 def test_config_then_flags_override():

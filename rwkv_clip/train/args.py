@@ -78,7 +78,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     g.add_argument("--gradient-acc", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step (global batch = batch-size x K x "
                         "world size); see --accum-mode")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate")
     g.add_argument("--lr-scheduler", choices=("cosine", "linear"), default="cosine",
                    help="cosine: OneCycleLR (warmup fraction --warmup, cycles beta1), as the "
                         "original; linear: LinearLR from lr to 0, no warmup (as the original)")
