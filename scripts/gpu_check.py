@@ -52,7 +52,10 @@ RESOLUTION_TRAIN_SIDES = "224,448,896,1792"
 SPEED_SIDES = "224,448,896,1792"
 SPEED_STEPS = ("speed_b32_versus", "speed_b16_sweep", "profile_b32_eager",
                "profile_b32_compiled")
-STEP_GROUPS = {"speed": SPEED_STEPS}
+# the fused glue ops: their GPU tests, then timed against their reference, eager and
+# compiled (GPU_CHECK_ONLY=glue runs these alone)
+GLUE_STEPS = ("glue_gpu_tests", "glue_ops")
+STEP_GROUPS = {"speed": SPEED_STEPS, "glue": GLUE_STEPS}
 ALWAYS = ("environment", "imports", "build_kernels")  # every selection needs them
 # the seed's memory claims (README of the original), checked against the measurements
 CLAIMS = {
@@ -484,6 +487,24 @@ def speed_steps(timeouts: dict[str, int]) -> list[Step]:
     return steps
 
 
+def glue_step(timeout: int) -> Step:
+    """Each fused glue op (rwkv_clip.ops.glue) at the B/32 batch-256 bf16 shapes: forward +
+    backward of the eager reference, the compiled reference and the Triton op, checked
+    against float64, then interleaved (scripts/bench_glue.py); a case that would start
+    past the step's time is skipped by the benchmark itself."""
+    bench = [sys.executable, str(SCRIPTS / "bench_glue.py")]
+    return Step("glue_ops", bench + ["--device", "cuda", "--config", B32, "--batch", "256",
+                                     "--dtype", "bf16", "--warmup", "3", "--repeats", "10",
+                                     "--max-seconds", str(timeout - 40)],
+                timeout, cuda=True,
+                dry=bench + ["--device", "cpu", "--config", B32, "--batch", "1", "--dtype",
+                             "bf16", "--warmup", "0", "--repeats", "1", "--threads", "1",
+                             "--compile-backend", "aot_eager"],  # trace, no codegen
+                why="the fused glue ops (token shift + lerps, head norm + gate, squared "
+                    "ReLU) beside their reference, eager and torch.compile'd, B/32 batch "
+                    "256 bf16, forward + backward")
+
+
 def fastest_cuda_variant(runner: Runner) -> tuple[str, str]:
     """The faster CUDA variant by summed bf16 fwd+bwd time over the shapes, among those
     that passed the float64 check; faithful when nothing was measured."""
@@ -541,6 +562,12 @@ def summarize(runner: Runner) -> dict:
                 {"task": c["task"], "side": c["side"], "batch": c.get("batch"),
                  **{k: c[k] for k in ("ratio", "memory_ratio") if k in c}}
                 for c in res.get("cases", [])]
+    res = s.get("glue_ops", {}).get("result") or {}
+    out["glue"] = [{"name": c["name"], "fastest": c.get("fastest"),
+                    **{k: c[k]["ratio"] for k in ("triton_vs_eager", "triton_vs_compiled",
+                                                  "compiled_vs_eager") if k in c},
+                    **({"skipped": c["skipped"]} if "skipped" in c else {})}
+                   for c in res.get("cases", [])]
     for key, claim in CLAIMS.items():
         if key.startswith("inference"):
             res = (s.get(f"memory_{key}", {}).get("result") or {}).get("measured") or {}
@@ -569,8 +596,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="multiply every step's timeout (the rehearsal's dry runs share 2 CPU "
                          "cores and build the kernels cold)")
     ap.add_argument("--only", default=os.environ.get("GPU_CHECK_ONLY") or None,
-                    help="comma-separated steps or groups (speed) to run; the environment, "
-                         "imports and kernel build always run (default: every step)")
+                    help="comma-separated steps or groups (speed, glue) to run; the "
+                         "environment, imports and kernel build always run (default: every "
+                         "step)")
     ap.add_argument("--compile-cache", default=os.environ.get("GPU_CHECK_COMPILE_CACHE")
                     or str(REPO / ".cache" / "gpu_check" / "compile"),
                     help="inductor and Triton cache folder, kept between runs")
@@ -692,6 +720,11 @@ def main(argv: list[str] | None = None) -> int:
         tag = "_ckpt" if ckpt else ""
         runner.run(train_step(f"train_best_compiled{tag}", best if cuda else "fast", ckpt,
                               True, 150))
+    runner.run(Step("glue_gpu_tests", [python, "-m", "pytest", "-m", "gpu", "-q", "-p",
+                                       "no:cacheprovider", "tests/test_ops_glue.py"], 90,
+                    cuda=True, why="the fused glue ops' GPU tests (also part of gpu_tests): "
+                                   "kernels against float64, one compiled graph"))
+    runner.run(glue_step(240))
     for step in speed_steps({"speed_b32_versus": 90, "speed_b16_sweep": 240,
                              "profile_b32_eager": 60, "profile_b32_compiled": 180}):
         runner.run(step)
