@@ -236,6 +236,7 @@ def test_glue_step_parses_with_its_scripts_flags():
     assert ns.max_seconds < step.timeout
     dry = bench_glue.build_parser().parse_args(step.dry[2:])
     assert (dry.device, dry.batch, dry.compile_backend) == ("cpu", 1, "aot_eager")
+    assert (REPO / gpu_check.GLUE_TESTS).is_file()  # the group's tests, by path
 
 
 def test_summary_carries_the_glue_ratios():

@@ -199,7 +199,13 @@ def run_case(op: str, dtype: str, p: dict, device: str) -> dict:
     if "row_programs" in p:  # several row blocks per program: the partial-sum loop
         from rwkv_clip.ops.glue import head_norm_gate_kernel, shift_lerp_kernel
         module = shift_lerp_kernel if op == "shift_lerp" else head_norm_gate_kernel
+        kept = module.ROW_PROGRAMS
         module.ROW_PROGRAMS = p["row_programs"]
+        try:
+            return run_case(op, dtype, {k: v for k, v in p.items() if k != "row_programs"},
+                            device)
+        finally:
+            module.ROW_PROGRAMS = kept
     inputs, args, grad = _inputs(op, DTYPES[dtype], p, device, torch.Generator().manual_seed(7))
     ours = [t.clone().requires_grad_() for t in inputs]
     out = _call(op, ours, args, reference=False)
@@ -291,8 +297,10 @@ def test_ops_compile_in_one_graph_on_cuda():
     forward and gradients."""
     from rwkv_clip.compiling import compile_model
 
+    shift = Shift("q", 16, 1, (3, 4))
+
     def block(x, w, y, p, b):
-        mixes = glue.shift_lerp(x, w, Shift("q", 16, 1, (3, 4)))
+        mixes = glue.shift_lerp(x, w, shift)
         gated = glue.head_norm_gate(y, p, b, mixes[0], 2, 1e-5)
         return glue.relu_square(gated + mixes[1])
 

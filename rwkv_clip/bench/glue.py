@@ -95,17 +95,18 @@ def cases(config: str) -> list[GlueCase]:
     head_size = int(args.head_size)
     txt_eps = 1e-5 * int(args.head_size_divisor) ** 2
     seq = glue.Shift("sequence", head_size)
+    # each op's kind on both towers first, so that a run cut short has measured each
     return [
-        _lerp_case("image_time_mix_first_lerp", q, T_img, C_img, 1, False, False),
         _lerp_case("image_time_mix_lerps", q, T_img, C_img, 5, True, False),
-        _lerp_case("image_channel_mix_lerps", q, T_img, C_img, 2, False, True),
-        _lerp_case("text_time_mix_first_lerp", seq, T_txt, C_txt, 1, False, False),
-        _lerp_case("text_time_mix_lerps", seq, T_txt, C_txt, 5, True, False),
-        _lerp_case("text_channel_mix_lerps", seq, T_txt, C_txt, 2, False, False),
         _norm_case("image_head_norm_gate", T_img, C_img, img_heads, 1e-5),
-        _norm_case("text_head_norm_gate", T_txt, C_att, C_att // head_size, txt_eps),
         _relu_square_case("image_relu_square", T_img, img_hidden),
+        _lerp_case("text_time_mix_lerps", seq, T_txt, C_txt, 5, True, False),
+        _norm_case("text_head_norm_gate", T_txt, C_att, C_att // head_size, txt_eps),
         _relu_square_case("text_relu_square", T_txt, int(args.dim_ffn)),
+        _lerp_case("image_channel_mix_lerps", q, T_img, C_img, 2, False, True),
+        _lerp_case("text_channel_mix_lerps", seq, T_txt, C_txt, 2, False, False),
+        _lerp_case("image_time_mix_first_lerp", q, T_img, C_img, 1, False, False),
+        _lerp_case("text_time_mix_first_lerp", seq, T_txt, C_txt, 1, False, False),
     ]
 
 
