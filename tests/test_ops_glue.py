@@ -7,6 +7,8 @@ script), because ``TRITON_INTERPRET=1`` must be set before Triton is imported; t
 ``gpu`` tests run the same cases on CUDA. The interpreter's cast from float32 to bf16
 truncates where a GPU rounds to nearest, so in bf16 the interpreted kernels are held to
 a tolerance (one bf16 step) and only the GPU test asks for the squared ReLU's exact bits.
+A slow test compiles every kernel variant for sm_90 without a GPU (what the interpreter
+leaves unchecked: lowering, types, layouts).
 """
 from __future__ import annotations
 
@@ -249,6 +251,57 @@ def test_kernels_match_the_float64_reference_in_the_interpreter():
     assert not _failures(results), "\n".join(_failures(results))
     # float32 squared ReLU: the same two roundings as torch's, so the same bits
     assert results[CASES.index(("relu_square", "fp32", {"shape": [3, 1500]}))]["exact"]
+
+
+def _signature(kernel, types: dict[str, str], consts: dict) -> dict[str, str]:
+    return {name: "constexpr" if name in consts else types[name] for name in kernel.arg_names}
+
+
+@pytest.mark.slow  # about 30 s: Triton's whole pipeline, ptxas included, per variant
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kernels_compile_for_sm90_without_a_gpu(dtype):
+    """Every kernel, forward and backward, in the variants the towers use (q shift with and
+    without cls token, sequence shift; 5 full, 2 and 1 per-channel weights; heads of 64 and
+    80), compiled by Triton for an H100/H200 (sm_90) down to a cubin: what the interpreter
+    does not check (types, layouts, lowering). Nothing runs."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rwkv_clip.ops.glue import head_norm_gate_kernel as hn
+    from rwkv_clip.ops.glue import relu_square_kernel as rs
+    from rwkv_clip.ops.glue import shift_lerp_kernel as sl
+
+    def compile_(kernel, types, consts, **options):
+        names = kernel.arg_names
+        src = ASTSource(kernel, _signature(kernel, types, consts),
+                        constexprs={(names.index(k),): v for k, v in consts.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm["cubin"], kernel.fn.__name__
+
+    t, i32 = f"*{dtype}", "i32"
+    sizes = dict.fromkeys(("R", "T", "C", "GH", "GW", "PIX", "w_stride_s", "w_stride_r",
+                           "ITERS", "n"), i32)
+    for S, HD, q, cls, first in ((5, 80, True, False, False), (2, 80, True, True, True),
+                                 (1, 64, False, False, False)):
+        consts = dict(S=S, HD=HD, QSHIFT=q, CLS=cls, SHIFTED_FIRST=first,
+                      BR=sl.BLOCK_ROWS, BC=sl.BLOCK_CHANNELS)
+        compile_(sl._forward_kernel, dict(sizes, x_ptr=t, w_ptr=t, out_ptr=t), consts)
+        for full in (True, False):
+            compile_(sl._backward_kernel,
+                     dict(sizes, x_ptr=t, w_ptr=t, g_ptr=t, gx_ptr=t,
+                          gw_ptr=t if full else "*fp32"),
+                     dict(consts, FULL=full, SP=triton.next_power_of_2(S)),
+                     num_warps=sl.BACKWARD_WARPS)
+    f32 = "*fp32"
+    for N in (64, 80):
+        consts = dict(N=N, NP=triton.next_power_of_2(N), BR=hn.BLOCK_ROWS)
+        norm = dict(sizes, y_ptr=f32, w_ptr=f32, b_ptr=f32, gate_ptr=t, eps="fp32")
+        compile_(hn._forward_kernel, dict(norm, out_ptr=t), consts)
+        compile_(hn._backward_kernel, dict(norm, g_ptr=t, gy_ptr=f32, ggate_ptr=t,
+                                           gw_ptr=f32, gb_ptr=f32), consts)
+    compile_(rs._forward_kernel, dict(sizes, x_ptr=t, out_ptr=t), dict(BLOCK=rs.BLOCK))
+    compile_(rs._backward_kernel, dict(sizes, x_ptr=t, g_ptr=t, gx_ptr=t), dict(BLOCK=rs.BLOCK))
 
 
 def test_ops_trace_with_fake_cuda_tensors():
