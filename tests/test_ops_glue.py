@@ -253,6 +253,46 @@ def test_kernels_match_the_float64_reference_in_the_interpreter():
     assert results[CASES.index(("relu_square", "fp32", {"shape": [3, 1500]}))]["exact"]
 
 
+def opcheck_all() -> dict[str, dict[str, str]]:
+    """torch.library.opcheck of each op (schema, fake kernel against the real one, autograd
+    registration, tracing by AOTAutograd with dynamic shapes), on the CPU tensors the
+    interpreter takes."""
+    from rwkv_clip.ops.glue.head_norm_gate_kernel import head_norm_gate_op
+    from rwkv_clip.ops.glue.relu_square_kernel import relu_square_op
+    from rwkv_clip.ops.glue.shift_lerp_kernel import shift_lerp_op
+    g = torch.Generator().manual_seed(5)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).requires_grad_()
+    calls = {
+        "shift_lerp_q_full": (shift_lerp_op, (leaf(2, 12, 32), leaf(5, 2, 12, 32), "q", 16, 1,
+                                              3, 4, False, False)),
+        "shift_lerp_sequence_per_channel": (shift_lerp_op, (leaf(2, 6, 32), leaf(2, 1, 1, 32),
+                                                            "sequence", 8, 1, 0, 0, False,
+                                                            True)),
+        "head_norm_gate": (head_norm_gate_op, (leaf(2, 5, 32), leaf(32), leaf(32),
+                                               leaf(2, 5, 32), 2, 1e-5)),
+        "relu_square": (relu_square_op, (leaf(3, 70),)),
+    }
+    return {name: torch.library.opcheck(op, args) for name, (op, args) in calls.items()}
+
+
+@pytest.mark.slow  # a minute or two: opcheck runs each op several times, interpreted
+def test_ops_pass_opcheck_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, __file__, "opcheck"], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(results) == 4
+    for name, checks in results.items():
+        assert set(checks) >= {"test_schema", "test_autograd_registration", "test_faketensor",
+                               "test_aot_dispatch_dynamic"}, name
+        assert set(checks.values()) == {"SUCCESS"}, (name, checks)
+
+
 def _signature(kernel, types: dict[str, str], consts: dict) -> dict[str, str]:
     return {name: "constexpr" if name in consts else types[name] for name in kernel.arg_names}
 
@@ -370,6 +410,9 @@ def test_ops_compile_in_one_graph_on_cuda():
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
-if __name__ == "__main__":  # the subprocess of the interpreter test
+if __name__ == "__main__":  # the subprocess of the interpreter tests
     torch.set_num_threads(1)
-    print(json.dumps([run_case(op, dtype, p, "cpu") for op, dtype, p in CASES]))
+    if sys.argv[1:] == ["opcheck"]:
+        print(json.dumps(opcheck_all()))
+    else:
+        print(json.dumps([run_case(op, dtype, p, "cpu") for op, dtype, p in CASES]))
