@@ -252,3 +252,14 @@ def test_summary_carries_the_glue_ratios():
         {"name": "text_relu_square", "fastest": None, "skipped": "out of time"}]
     runner.steps.clear()
     assert gpu_check.summarize(runner)["glue"] == []
+
+
+def test_selection_adds_what_every_step_needs():
+    """GPU_CHECK_ONLY: groups expand to their steps; the environment and imports always run,
+    the kernel build unless only the glue group (no native kernel) is selected."""
+    assert gpu_check.selected_steps(None) is None and gpu_check.selected_steps(" ,") is None
+    glue = gpu_check.selected_steps("glue")
+    assert glue == {"environment", "imports", *gpu_check.GLUE_STEPS}
+    speed = gpu_check.selected_steps("speed, glue_ops")
+    assert speed == {*gpu_check.ALWAYS, *gpu_check.SPEED_STEPS, "glue_ops"}
+    assert gpu_check.selected_steps("wkv_bf16") == {*gpu_check.ALWAYS, "wkv_bf16"}
