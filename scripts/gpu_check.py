@@ -52,7 +52,13 @@ RESOLUTION_TRAIN_SIDES = "224,448,896,1792"
 SPEED_SIDES = "224,448,896,1792"
 SPEED_STEPS = ("speed_b32_versus", "speed_b16_sweep", "profile_b32_eager",
                "profile_b32_compiled")
-STEP_GROUPS = {"speed": SPEED_STEPS}
+# the fused glue ops: their GPU tests, then timed against their reference, eager and
+# compiled (GPU_CHECK_ONLY=glue runs these alone)
+GLUE_STEPS = ("glue_gpu_tests", "glue_ops")
+GLUE_TESTS = "tests/test_ops_glue.py"
+# steps that run no native WKV kernel: a selection of only these skips the kernel build
+WITHOUT_KERNELS = GLUE_STEPS
+STEP_GROUPS = {"speed": SPEED_STEPS, "glue": GLUE_STEPS}
 ALWAYS = ("environment", "imports", "build_kernels")  # every selection needs them
 # the seed's memory claims (README of the original), checked against the measurements
 CLAIMS = {
@@ -484,6 +490,37 @@ def speed_steps(timeouts: dict[str, int]) -> list[Step]:
     return steps
 
 
+def selected_steps(text: str | None) -> set[str] | None:
+    """The steps ``--only`` / GPU_CHECK_ONLY names (steps or groups, comma-separated) plus
+    those every selection needs; None (every step) for none. The kernel build is left out
+    where no selected step runs a native kernel."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    if not names:
+        return None
+    only = set(ALWAYS).union(*(STEP_GROUPS.get(n, (n,)) for n in names))
+    if only - set(ALWAYS) <= set(WITHOUT_KERNELS):
+        only.discard("build_kernels")
+    return only
+
+
+def glue_step(timeout: int) -> Step:
+    """Each fused glue op (rwkv_clip.ops.glue) at the B/32 batch-256 bf16 shapes: forward +
+    backward of the eager reference, the compiled reference and the Triton op, checked
+    against float64, then interleaved (scripts/bench_glue.py); a case that would start
+    past the step's time is skipped by the benchmark itself."""
+    bench = [sys.executable, str(SCRIPTS / "bench_glue.py")]
+    return Step("glue_ops", bench + ["--device", "cuda", "--config", B32, "--batch", "256",
+                                     "--dtype", "bf16", "--warmup", "3", "--repeats", "10",
+                                     "--max-seconds", str(timeout - 40)],
+                timeout, cuda=True,
+                dry=bench + ["--device", "cpu", "--config", B32, "--batch", "1", "--dtype",
+                             "bf16", "--warmup", "0", "--repeats", "1", "--threads", "1",
+                             "--compile-backend", "aot_eager"],  # trace, no codegen
+                why="the fused glue ops (token shift + lerps, head norm + gate, squared "
+                    "ReLU) beside their reference, eager and torch.compile'd, B/32 batch "
+                    "256 bf16, forward + backward")
+
+
 def fastest_cuda_variant(runner: Runner) -> tuple[str, str]:
     """The faster CUDA variant by summed bf16 fwd+bwd time over the shapes, among those
     that passed the float64 check; faithful when nothing was measured."""
@@ -541,6 +578,12 @@ def summarize(runner: Runner) -> dict:
                 {"task": c["task"], "side": c["side"], "batch": c.get("batch"),
                  **{k: c[k] for k in ("ratio", "memory_ratio") if k in c}}
                 for c in res.get("cases", [])]
+    res = s.get("glue_ops", {}).get("result") or {}
+    out["glue"] = [{"name": c["name"], "fastest": c.get("fastest"),
+                    **{k: c[k]["ratio"] for k in ("triton_vs_eager", "triton_vs_compiled",
+                                                  "compiled_vs_eager") if k in c},
+                    **({"skipped": c["skipped"]} if "skipped" in c else {})}
+                   for c in res.get("cases", [])]
     for key, claim in CLAIMS.items():
         if key.startswith("inference"):
             res = (s.get(f"memory_{key}", {}).get("result") or {}).get("measured") or {}
@@ -569,8 +612,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="multiply every step's timeout (the rehearsal's dry runs share 2 CPU "
                          "cores and build the kernels cold)")
     ap.add_argument("--only", default=os.environ.get("GPU_CHECK_ONLY") or None,
-                    help="comma-separated steps or groups (speed) to run; the environment, "
-                         "imports and kernel build always run (default: every step)")
+                    help="comma-separated steps or groups (speed, glue) to run; the "
+                         "environment, imports and kernel build always run, the build only "
+                         "where a selected step needs it (default: every step)")
     ap.add_argument("--compile-cache", default=os.environ.get("GPU_CHECK_COMPILE_CACHE")
                     or str(REPO / ".cache" / "gpu_check" / "compile"),
                     help="inductor and Triton cache folder, kept between runs")
@@ -601,10 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     compile_cache = Path(ns.compile_cache).resolve()
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
     env.setdefault("TRITON_CACHE_DIR", str(compile_cache / "triton"))
-    only = None
-    if ns.only:
-        names = [n.strip() for n in ns.only.split(",") if n.strip()]
-        only = set(ALWAYS).union(*(STEP_GROUPS.get(n, (n,)) for n in names))
+    only = selected_steps(ns.only)
 
     # wheels first: nothing else imports without them
     wheels = install_wheels(python, site, wheel_dirs, base_env)
@@ -640,10 +681,11 @@ def main(argv: list[str] | None = None) -> int:
         for lock in kernels.rglob("lock"):
             lock.unlink()
     runner.run(Step("gpu_tests", [python, "-m", "pytest", "-m", "gpu", "--slow", "-q",
-                                  "-p", "no:cacheprovider", "tests"], 150, cuda=True,
+                                  "-p", "no:cacheprovider", "--ignore", GLUE_TESTS, "tests"],
+                    150, cuda=True,
                     dry=[python, "-m", "pytest", "-m", "gpu", "--slow", "-q",
                          "-p", "no:cacheprovider", "--collect-only", "tests"],
-                    why="the GPU-marked tests"))
+                    why="the GPU-marked tests (the glue ops' in the glue group)"))
     runner.run(wkv_step("wkv_fp32", "fp32", "cuda-faithful,cuda-fast", 75, "reference,cpu",
                         "parity vs float64 (y + 5 grads) and fwd+bwd time, fp32 inputs"))
     runner.run(wkv_step("wkv_bf16", "bf16", "cuda-faithful,cuda-fast", 75, "reference,cpu",
@@ -692,6 +734,13 @@ def main(argv: list[str] | None = None) -> int:
         tag = "_ckpt" if ckpt else ""
         runner.run(train_step(f"train_best_compiled{tag}", best if cuda else "fast", ckpt,
                               True, 150))
+    runner.run(Step("glue_gpu_tests", [python, "-m", "pytest", "-m", "gpu", "-q", "-p",
+                                       "no:cacheprovider", GLUE_TESTS], 120, cuda=True,
+                    why="the fused glue ops' GPU tests: kernels against float64, one "
+                        "compiled graph"))
+    # its own guard stops it starting a case past the step's time: a step killed by the
+    # runner would leave no JSON at all
+    runner.run(glue_step(int(min(300, runner.left() - 10))))
     for step in speed_steps({"speed_b32_versus": 90, "speed_b16_sweep": 240,
                              "profile_b32_eager": 60, "profile_b32_compiled": 180}):
         runner.run(step)

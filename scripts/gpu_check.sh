@@ -17,7 +17,9 @@
 # skipped ("no CUDA device"). Environment: PYTHON (default python3), GPU_CHECK_BUDGET_S
 # (default 465 on the device, 3600 in the rehearsal), GPU_CHECK_TIMEOUT_SCALE (rehearsal
 # only, default 6: its dry runs share 2 CPU cores), GPU_CHECK_ONLY (steps or groups to run,
-# e.g. "speed": the whole model beside open_clip and the step's profile), and
+# e.g. "speed": the whole model beside open_clip and the step's profile; "glue": the fused
+# glue ops' GPU tests and their timings beside the reference, eager and compiled, with no
+# kernel build), and
 # GPU_CHECK_COMPILE_CACHE (inductor/Triton cache, default .cache/gpu_check/compile; with
 # $OUT set it is also packed into $OUT/compile-cache.tar.gz for the next run).
 set -euo pipefail

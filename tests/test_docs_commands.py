@@ -147,6 +147,8 @@ COMMANDS: dict[str, str] = {
     # three runs of command 1's train.py (tests/test_bench_versus.py reads a run's log)
     "python scripts/bench_main_job.py --seeds 0,1,2 --out docs/results/main_job_seeds.json":
         "help",
+    # docs/glue.md: the glue ops' benchmark (its CPU run: tests/test_bench_glue.py)
+    "python scripts/bench_glue.py --device cuda --batch 256 --dtype bf16": "help",
     "python scripts/bench_wkv.py --shapes 16,77,10,64": "help",
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu": "help",
     "python scripts/bench_wkv.py --backends cpu --threads 1 --clock cpu --dtype bf16": "help",

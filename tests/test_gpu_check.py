@@ -162,7 +162,7 @@ def test_the_check_imports_names_the_project_has():
     import importlib
 
     for script in ("gpu_check.py", "bench_train.py", "bench_wkv.py", "bench_infer.py",
-                   "profile_step.py"):
+                   "profile_step.py", "bench_glue.py"):
         path = Path(__file__).resolve().parents[1] / "scripts" / script
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rwkv_clip"):
@@ -220,3 +220,46 @@ def test_speed_steps_parse_with_their_scripts_flags():
             assert ns.device == ("cuda" if cmd is step.cmd else "cpu")
     versus = gpu_check.speed_steps({name: 60 for name in gpu_check.SPEED_STEPS})[0].cmd
     assert versus[versus.index("--batch-size") + 1] == "256"
+
+
+def test_glue_step_parses_with_its_scripts_flags():
+    """The glue group's timing step (and its dry form) parse with bench_glue.py's flags, at
+    B/32 batch 256 bf16 on CUDA, tiny and trace-only on the CPU; its time guard leaves the
+    step's last case room to finish."""
+    spec = importlib.util.spec_from_file_location("bench_glue", REPO / "scripts" / "bench_glue.py")
+    bench_glue = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_glue)
+    step = gpu_check.glue_step(240)
+    assert step.name in gpu_check.STEP_GROUPS["glue"] and step.cuda and step.dry
+    ns = bench_glue.build_parser().parse_args(step.cmd[2:])
+    assert (ns.device, ns.batch, ns.dtype, ns.config) == ("cuda", 256, "bf16", gpu_check.B32)
+    assert ns.max_seconds < step.timeout
+    dry = bench_glue.build_parser().parse_args(step.dry[2:])
+    assert (dry.device, dry.batch, dry.compile_backend) == ("cpu", 1, "aot_eager")
+    assert (REPO / gpu_check.GLUE_TESTS).is_file()  # the group's tests, by path
+
+
+def test_summary_carries_the_glue_ratios():
+    runner = gpu_check.Runner(100, {}, rehearse=True, cuda=False)
+    ratio = {"ratio": 1.8, "ratio_range": [1.5, 2.0], "gain": "ours"}
+    runner.steps["glue_ops"] = {"status": "ok", "result": {"cases": [
+        {"name": "image_relu_square", "fastest": "triton", "triton_vs_eager": ratio,
+         "compiled_vs_eager": dict(ratio, ratio=1.2), "modes": {}},
+        {"name": "text_relu_square", "op": "relu_square", "skipped": "out of time"}]}}
+    assert gpu_check.summarize(runner)["glue"] == [
+        {"name": "image_relu_square", "fastest": "triton", "triton_vs_eager": 1.8,
+         "compiled_vs_eager": 1.2},
+        {"name": "text_relu_square", "fastest": None, "skipped": "out of time"}]
+    runner.steps.clear()
+    assert gpu_check.summarize(runner)["glue"] == []
+
+
+def test_selection_adds_what_every_step_needs():
+    """GPU_CHECK_ONLY: groups expand to their steps; the environment and imports always run,
+    the kernel build unless only the glue group (no native kernel) is selected."""
+    assert gpu_check.selected_steps(None) is None and gpu_check.selected_steps(" ,") is None
+    glue = gpu_check.selected_steps("glue")
+    assert glue == {"environment", "imports", *gpu_check.GLUE_STEPS}
+    speed = gpu_check.selected_steps("speed, glue_ops")
+    assert speed == {*gpu_check.ALWAYS, *gpu_check.SPEED_STEPS, "glue_ops"}
+    assert gpu_check.selected_steps("wkv_bf16") == {*gpu_check.ALWAYS, "wkv_bf16"}
