@@ -113,7 +113,7 @@ class _Policy:
         if op is self.wkv:
             return CheckpointPolicy.MUST_SAVE
         if self.inside:
-            out = ctx.op_output
+            out = getattr(ctx, "op_output", None)  # torch < 2.14 decides before the op
             if op in self.products:
                 if isinstance(out, torch.Tensor) and out.dtype != self.dtype:
                     self.widened = out
@@ -128,8 +128,8 @@ class _Policy:
 
 
 class _Hooked:
-    """A SAC forward context with the policy's hooks on the kept projections while it is
-    entered (the recomputation replays the forward's decisions by position)."""
+    """A SAC context with the policy's hooks on the kept projections while it is entered
+    (torch versions that ask the policy again while recomputing see the same modules)."""
 
     def __init__(self, mode: Any, policy: _Policy) -> None:
         self.mode, self.policy = mode, policy
@@ -153,7 +153,7 @@ class _Hooked:
 def _contexts(mix: nn.Module) -> tuple[Any, Any]:
     policy = _Policy(mix)
     forward, recompute = create_selective_checkpoint_contexts(policy)
-    return _Hooked(forward, policy), recompute
+    return _Hooked(forward, policy), _Hooked(recompute, policy)
 
 
 __all__ = ["KEPT_PROJECTIONS", "REBUILD_ENV", "REBUILD_MIN_ELEMENTS", "applies", "rebuilds",
