@@ -5,8 +5,7 @@ random numbers as the original.
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from .layers import (
     q_shift_multihead,
     resize_pos_embed,
 )
+from .layers.activation_memory import residual_branch
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,
@@ -80,8 +80,8 @@ class VRWKV_SpatialMix_V6(TimeMixBase):
                                  self.with_cls_token)
 
     def forward(self, x: torch.Tensor, patch_resolution=None,
-                input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
-        return self.mix(x, input_again, patch_resolution=patch_resolution)
+                **shift_kwargs: Any) -> torch.Tensor:
+        return super().forward(x, patch_resolution=patch_resolution, **shift_kwargs)
 
 
 class VRWKV_ChannelMix_V6(nn.Module):
@@ -107,8 +107,7 @@ class VRWKV_ChannelMix_V6(nn.Module):
         self.receptance = Linear(n_embd, n_embd, bias=False)
         self.value = Linear(hidden_sz, n_embd, bias=False)
 
-    def mix(self, x: torch.Tensor, patch_resolution=None,
-            input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
         def shift(t: torch.Tensor) -> torch.Tensor:
             return q_shift_multihead(t, self.shift_pixel, self.head_size, patch_resolution,
                                      self.with_cls_token)
@@ -117,11 +116,7 @@ class VRWKV_ChannelMix_V6(nn.Module):
         # (under autocast the glue dtype: the one key/receptance cast to anyway)
         mix = torch.cat((self.spatial_mix_k, self.spatial_mix_r)).unsqueeze(1).to(glue_dtype(x))
         return channel_mix(x, shift, mix, self.key, self.receptance, self.value, self.key_norm,
-                           shifted_first=True, input_again=input_again)
-
-    def forward(self, x: torch.Tensor, patch_resolution=None,
-                input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
-        return self.mix(x, patch_resolution, input_again)
+                           shifted_first=True)
 
 
 class Block_V6(nn.Module):
@@ -158,11 +153,11 @@ class Block_V6(nn.Module):
         self.with_cp = with_cp
 
     def _residual(self, branch, norm, gamma, x, patch_resolution):
-        if self.post_norm:
-            out = norm(branch(x, patch_resolution))
-        else:
-            # the branch may rebuild its input in the backward from x, which norm keeps
-            out = branch(norm(x), patch_resolution, functools.partial(norm, x))
+        def run(t: torch.Tensor) -> torch.Tensor:
+            if self.post_norm:
+                return norm(branch(t, patch_resolution))
+            return branch(norm(t), patch_resolution)
+        out = residual_branch(run, x, branch)
         return x + self.drop_path(out if gamma is None else gamma * out)
 
     def _inner_forward(self, x: torch.Tensor, patch_resolution) -> torch.Tensor:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from torch import nn
 
 from .config import ModelArgs, complete_args
 from .layers import Linear, bidirectional_shift_multihead, channel_mix
+from .layers.activation_memory import residual_branch
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,
@@ -60,10 +60,6 @@ class RWKV_Tmix_V6(TimeMixBase):
     def shift(self, x: torch.Tensor, **shift_kwargs: Any) -> torch.Tensor:
         return bidirectional_shift_multihead(x, 1, self.head_size)
 
-    def forward(self, x: torch.Tensor,
-                input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
-        return self.mix(x, input_again)
-
 
 class RWKV_CMix_V6(nn.Module):
     def __init__(self, args, layer_id: int) -> None:
@@ -80,14 +76,13 @@ class RWKV_CMix_V6(nn.Module):
         self.receptance = Linear(args.n_embd, args.n_embd, bias=False)
         self.value = Linear(args.dim_ffn, args.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor,
-                input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Opposite convention to the image tower: time_maa_* weights the neighbour,
         # x + (shift(x) - x) * m, both in one lerp (in the autocast dtype under autocast).
         mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(glue_dtype(x))
         return channel_mix(x, functools.partial(bidirectional_shift_multihead, shift_pixel=1,
                                                 head_dim=self.args.head_size),
-                           mix, self.key, self.receptance, self.value, input_again=input_again)
+                           mix, self.key, self.receptance, self.value)
 
 
 class Block(nn.Module):
@@ -132,9 +127,8 @@ class Block(nn.Module):
             x = self.ln0(x)
             if self.args.pos_emb > 0:
                 x = x + (self.pos_emb_x + self.pos_emb_y).reshape(T + 1, -1)[:-1, :]
-        # each branch may rebuild its input in the backward from x, which the norm keeps
-        x = self.drop0(x + self.att(self.ln1(x), functools.partial(self.ln1, x)))
-        x = self.drop1(x + self.ffn(self.ln2(x), functools.partial(self.ln2, x)))
+        x = self.drop0(x + residual_branch(lambda t: self.att(self.ln1(t)), x, self.att))
+        x = self.drop1(x + residual_branch(lambda t: self.ffn(self.ln2(t)), x, self.ffn))
         if self.has_tiny_att:
             assert x_emb is not None, "tiny attention reads the token embeddings"
             x = self._tiny_attention(x, x_emb)

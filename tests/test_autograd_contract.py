@@ -14,9 +14,9 @@ import torch
 import rwkv_clip
 
 head_norm = importlib.import_module("rwkv_clip.layers.head_norm")
-lerp = importlib.import_module("rwkv_clip.layers.lerp")
+lerp = importlib.import_module("rwkv_clip.ops.lerp")
 linear = importlib.import_module("rwkv_clip.layers.linear")
-relu_square = importlib.import_module("rwkv_clip.layers.relu_square")
+relu_square = importlib.import_module("rwkv_clip.ops.relu_square")
 
 # Functions whose backward needs more than one process (tested with their collectives)
 NEEDS_PROCESS_GROUP = {"rwkv_clip.loss.NeighbourExchange"}

@@ -6,7 +6,6 @@ The CPU backward is faster than GroupNorm's at the same memory; the parameters s
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +25,6 @@ class _HeadNorm(torch.autograd.Function):
                 eps: float) -> torch.Tensor:
         out, mean, rstd = _normalised(x, weight, bias, eps)
         ctx.save_for_backward(x, mean, rstd, weight)
-        ctx.rebuild = (bias, eps)
         return out
 
     @staticmethod
@@ -69,21 +67,4 @@ def head_group_norm(y: torch.Tensor, norm: nn.GroupNorm) -> torch.Tensor:
         return _HeadNorm.apply(*args).view(rows, C)
 
 
-def rebuild_head_norm(out: torch.Tensor) -> Callable[[], torch.Tensor] | None:
-    """For ``out`` (or a view of it) from :func:`head_group_norm` built for the backward: a
-    function giving it again bit for bit (the same two ops, outside autocast) from the
-    input its backward keeps; None where ``nn.GroupNorm`` made it."""
-    root = out if out._base is None else out._base
-    node = root.grad_fn
-    if node is None or type(node) is not _HeadNorm._backward_cls:
-        return None
-
-    def again() -> torch.Tensor:
-        x, _, _, weight = node.saved_tensors  # type: ignore[attr-defined]
-        bias, eps = node.rebuild  # type: ignore[attr-defined]
-        with torch.autocast(x.device.type, enabled=False):
-            return _normalised(x, weight, bias, eps)[0]
-    return again
-
-
-__all__ = ["head_group_norm", "rebuild_head_norm"]
+__all__ = ["head_group_norm"]

@@ -6,18 +6,16 @@ own token shift; the arithmetic below is common to both.
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..ops import wkv6_bidirectional
-from .head_norm import head_group_norm, rebuild_head_norm
-from .lerp import lerp, rebuilt_lerp, shifted_tokens, token_mixes
+from ..ops.lerp import lerp, lerp_split
+from .head_norm import head_group_norm
 from .linear import Linear, matmul
-from .recompute import RecomputedSaves
 
 TIME_MIX_EXTRA_DIM = 32    # rank of the LoRA that makes the five lerp weights data-dependent
 TIME_DECAY_EXTRA_DIM = 64  # rank of the LoRA that makes the decay data-dependent
@@ -70,18 +68,6 @@ def glue_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def glued_input(x: torch.Tensor, saves: RecomputedSaves | None = None,
-                input_again: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
-    """``x.to(glue_dtype(x))``. Within ``saves``, where ``input_again`` gives x again in the
-    backward (the block's layer norm, run again on the input it keeps), the backward
-    rebuilds this copy (or x itself) instead of keeping it."""
-    dtype = glue_dtype(x)
-    x = x.to(dtype)
-    if saves is not None and input_again is not None and x.requires_grad:
-        saves.add(x, lambda: input_again().to(dtype))
-    return x
-
-
 class TimeMixBase(nn.Module):
     """Shared forward of the RWKV-6 time mix; subclasses own parameters and shift."""
 
@@ -110,80 +96,32 @@ class TimeMixBase(nn.Module):
     def shift(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
         raise NotImplementedError
 
-    def projections(self, x: torch.Tensor, saves: RecomputedSaves | None = None,
-                    input_again: Callable[[], torch.Tensor] | None = None, **shift_kwargs):
-        """r, k, v, gate and decay logits from x and its shifted neighbours.
+    def forward(self, x: torch.Tensor, **shift_kwargs: Any) -> torch.Tensor:
+        """The time mix of x (B, T, C).
 
-        The six lerps ``x + (shift(x) - x) * m`` are ``torch.lerp(x, shift(x), m)``
-        (:func:`.lerp.lerp`), the five data-dependent ones as one (5, B, T, C) lerp. Under
-        autocast the glue runs in the autocast dtype (see :func:`glue_dtype`); the decay
-        logits w keep the original promotion (``time_decay`` + LoRA: float32 in the image
-        tower, bf16 in the text). Within ``saves``, the input's glue copy (given
-        ``input_again``), the shifted tokens, the first lerp, the lerp weights, the five
-        mixes, the gate and the decay logits are rebuilt by the backward, not kept.
+        The six lerps ``x + (shift(x) - x) * m`` are ``torch.lerp(x, shift(x), m)``, the
+        five data-dependent ones as one stacked lerp. Under autocast the glue runs in the
+        autocast dtype (:func:`glue_dtype`); the decay logits w keep the original promotion
+        (``time_decay`` + LoRA: float32 in the image tower, bf16 in the text).
         """
         B, T, C = x.shape
-        x = glued_input(x, saves, input_again)
-        dtype = x.dtype
-        shifted, shifted_again = shifted_tokens(
-            x, functools.partial(self.shift, **shift_kwargs), saves)
-        maa_x = self.time_maa_x.to(dtype)
-        mix_input = lerp(x, shifted, maa_x)
-        if mix_input.requires_grad:
-            rebuilt_lerp(mix_input, x, shifted_again, lambda: maa_x, saves)
-        mix_input = torch.tanh(matmul(mix_input, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
+        x = x.to(glue_dtype(x))
+        shifted = self.shift(x, **shift_kwargs)
+        # data-dependent lerp weights: a rank-32 tanh LoRA per mix, added to time_maa_*
+        mix_input = lerp(x, shifted, self.time_maa_x.to(x.dtype))
+        lora = torch.tanh(matmul(mix_input, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
-                         self.time_maa_g)).to(dtype)  # (5, 1, C)
-
-        def lerp_weights() -> torch.Tensor:  # (5, B, T, C), from what the bmm keeps
-            return matmul(mix_input, self.time_maa_w2, add=maa).view(5, B, T, C)
-
-        weight = lerp_weights()
-        weight_again = None  # registered before the lerp saves it
-        if saves is not None and (weight.requires_grad or x.requires_grad):
-            weight_again = saves.add(weight, lerp_weights)
-        xw, xk, xv, xr, xg = token_mixes(x, shifted, weight, saves, shifted_again, weight_again)
-        del weight  # kept by the lerp's backward, if at all
+                         self.time_maa_g)).to(x.dtype)  # (5, 1, C)
+        weights = matmul(lora, self.time_maa_w2, add=maa).view(5, B, T, C)
+        xw, xk, xv, xr, xg = lerp_split(x, shifted, weights)
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
-        gate = self.gate(xg)
-        g = F.silu(gate)
-        if saves is not None and g.requires_grad:
-            saves.add(g, functools.partial(F.silu, gate))
-        decay_lora = torch.tanh(matmul(xw, self.time_decay_w1))
-
-        def decay() -> torch.Tensor:  # from what the LoRA's second product keeps
-            return self.time_decay + matmul(decay_lora, self.time_decay_w2)
-
-        w = decay()
-        if saves is not None and w.requires_grad:
-            saves.add(w, decay)
-        return r, k, v, g, w
-
-    def output_projection(self, y: torch.Tensor, g: torch.Tensor,
-                          saves: RecomputedSaves | None = None) -> torch.Tensor:
-        """Per-head GroupNorm of the WKV output, gated, projected back (within ``saves``
-        the normalised output and the gated product rebuilt by the backward)."""
-        B, T, C = y.shape
-        normed = head_group_norm(y.view(B * T, C), self.ln_x).view(B, T, C)
-        y = normed.to(g.dtype)  # under autocast: the dtype output casts to
-        if (saves is not None and saves.active and y.requires_grad
-                and (y_again := rebuild_head_norm(normed))):
-            dtype = g.dtype
-            saves.add(y, lambda: y_again().view(B, T, C).to(dtype))
-        gated = y * g
-        if saves is not None and gated.requires_grad and (g_again := saves.rebuilt(g)):
-            y_src = saves.source(y)
-            saves.add(gated, lambda: y_src() * g_again())
-        return self.output(gated)
-
-    def mix(self, x: torch.Tensor, input_again: Callable[[], torch.Tensor] | None = None,
-            **shift_kwargs) -> torch.Tensor:
-        """The time mix of x; ``input_again``, where given, makes x again in the backward
-        (see :func:`glued_input`)."""
-        with RecomputedSaves(x) as saves:
-            r, k, v, g, w = self.projections(x, saves, input_again, **shift_kwargs)
-            y = wkv6_bidirectional(r, k, v, w, self.time_faaaa, backend=self.wkv_backend)
-            key_norm: nn.Module | None = getattr(self, "key_norm", None)
-            if key_norm is not None:
-                y = key_norm(y)
-            return self.output_projection(y, g, saves)
+        g = F.silu(self.gate(xg))
+        # data-dependent decay: time_decay plus a rank-64 tanh LoRA
+        w = self.time_decay + matmul(torch.tanh(matmul(xw, self.time_decay_w1)),
+                                     self.time_decay_w2)
+        y = wkv6_bidirectional(r, k, v, w, self.time_faaaa, backend=self.wkv_backend)
+        key_norm: nn.Module | None = getattr(self, "key_norm", None)
+        if key_norm is not None:
+            y = key_norm(y)
+        y = head_group_norm(y.view(B * T, C), self.ln_x).view(B, T, C)
+        return self.output(y.to(g.dtype) * g)  # under autocast: the dtype output casts to

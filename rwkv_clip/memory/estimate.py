@@ -93,7 +93,7 @@ def training_peak(args: Any, batch: int, precision: str, checkpointing: bool = F
     ddp_b = grad_b if gpus > 1 else 0
     micro = max(1, batch // max(1, gradient_acc))
     plan = activation_segments(args, micro, amp, device, gpus, local_loss, loss_batch=batch,
-                               params=table)
+                               params=table, checkpointing=checkpointing)
     inputs = _input_bytes(args, batch)
     persistent = pbytes + opt_b + ddp_b + inputs
     grads_alive = grad_b if gradient_acc > 1 else 0   # later micro-batches: grads exist
@@ -101,7 +101,7 @@ def training_peak(args: Any, batch: int, precision: str, checkpointing: bool = F
     best = (0, "", 0, 0)  # total, phase, activations, workspace
     produced = 0
     if not checkpointing:
-        held = sum(s.saved + s.casts for s in segs)
+        held = sum(s.saved + s.casts for s in segs) + plan.branch_cast_bytes
         best = max(best, (persistent + grads_alive + held, "end of forward", held, 0))
         for i in range(len(segs) - 1, -1, -1):
             acts = sum(s.saved + s.casts for s in segs[:i + 1])
@@ -112,7 +112,8 @@ def training_peak(args: Any, batch: int, precision: str, checkpointing: bool = F
         # forward: block inputs, the rest's saved tensors, the autocast weight cache
         # (held until autocast exits) and one block's no_grad working set
         fwd = sum(s.ckpt_input if s.ckpt_input else s.saved for s in segs)
-        fwd += sum(s.casts for s in segs) + max(s.inference_peak for s in segs if s.ckpt_input)
+        fwd += sum(s.casts for s in segs) + plan.branch_cast_bytes
+        fwd += max(s.inference_peak for s in segs if s.ckpt_input)
         best = max(best, (persistent + grads_alive + fwd, "forward", fwd, 0))
         for i in range(len(segs) - 1, -1, -1):
             s = segs[i]

@@ -13,7 +13,7 @@ import torch
 
 from ..config import ModelArgs
 from ..errors import ConfigError
-from ..layers.recompute import rebuilds
+from ..layers.activation_memory import rebuilds
 from ..layers.time_mix import TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM
 from .params import _SIZES, ParamTable
 
@@ -65,7 +65,7 @@ class Sym:
                  base: Sym | None = None, rg: bool = True) -> None:
         self.n, self.dtype, self.param, self.base = int(n), dtype, param, base
         self.rg = rg  # requires grad (False: a frozen parameter or what only they made)
-        self.rebuilt = False  # the backward rebuilds it (rwkv_clip.layers.recompute)
+        self.rebuilt = False  # recomputed by the backward (rwkv_clip.layers.activation_memory)
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +87,13 @@ class Walker:
         self.amp, self.device = amp, device
         self.saved: dict[int, Sym] = {}
         self._rebuilt = 0
-        self.rebuilding = False  # set per block (rwkv_clip.layers.recompute.rebuilds)
+        self._rebuilt_casts = 0
+        self.rebuilding = False  # set per block (rwkv_clip.layers.activation_memory.rebuilds)
+        self.policy_off = False  # whole-block checkpointing: no block rebuilds
+        self._branch: tuple[set[int], set[int], int] | None = None  # saved before, kept, casts
+        # weight copies autocast makes inside branches under the policy: the graph keeps
+        # none of them, so they live until autocast exits, not into the backward
+        self.branch_cast_bytes = 0
         self.weight_cast_bytes = 0  # low-precision copies of weights (autocast cache)
         self._casts_taken = 0
         # fine-tuning (rwkv_clip.memory.finetune): whether the parameters being walked
@@ -115,19 +121,47 @@ class Walker:
             if not t.param:
                 self.saved[id(t)] = t
 
-    def rebuild(self, t: Sym) -> Sym:
-        """Mark ``t``'s storage as rebuilt by the backward (``RecomputedSaves``) where the
-        block being walked rebuilds (:attr:`rebuilding`): saving it (or a view) keeps
-        nothing, unless checkpointing's own hooks are active."""
+    def begin_branch(self, x: Sym) -> None:
+        """A residual branch with input ``x`` starts (a norm and its mix,
+        :func:`rwkv_clip.layers.activation_memory.residual_branch`). Where the block
+        rebuilds (:attr:`rebuilding`), the branch keeps ``x`` and what :meth:`keep` names;
+        everything else it saves is recomputed by the backward (:meth:`end_branch`)."""
         if self.rebuilding:
-            (t.base or t).rebuilt = True
+            self._branch = (set(self.saved), set(), self.weight_cast_bytes)
+            self.keep(x)
+
+    def keep(self, t: Sym) -> Sym:
+        """``t`` is kept for the backward by the branch's policy (the products of the
+        kept projections, the WKV's result), whether or not an op saves it."""
+        if self._branch is not None and t.rg:  # a frozen branch keeps nothing
+            self.save(t)
+            self._branch[1].add(id(t.base or t))
         return t
+
+    def end_branch(self) -> int:
+        """The branch ends: what it saved and did not keep is recomputed, and so are the
+        weight copies autocast made in it. Returns those bytes (alive again while the
+        backward of the branch runs; the copies go to :meth:`take_rebuilt`)."""
+        if self._branch is None:
+            return 0
+        before, kept, casts_before = self._branch
+        self._branch = None
+        recomputed = [t for key, t in self.saved.items() if key not in before and key not in kept]
+        for t in recomputed:
+            t.rebuilt = True
+        casts = self.weight_cast_bytes - casts_before
+        self._casts_taken += casts  # not among the segment's held copies
+        self._rebuilt_casts += casts
+        self.branch_cast_bytes += casts
+        return sum(t.nbytes for t in recomputed) + casts
 
     def take_saved(self) -> int:
         """Bytes saved since the last call (the finished segment) and kept; what the
         backward rebuilds instead goes to :meth:`take_rebuilt`. Resets the record."""
         total = sum(t.nbytes for t in self.saved.values() if not t.rebuilt)
-        self._rebuilt = sum(t.nbytes for t in self.saved.values() if t.rebuilt)
+        self._rebuilt = (sum(t.nbytes for t in self.saved.values() if t.rebuilt)
+                         + self._rebuilt_casts)
+        self._rebuilt_casts = 0
         self.saved = {}
         return total
 
@@ -175,10 +209,12 @@ class Walker:
         return x.dtype
 
     # ops (saved tensors follow torch's derivatives.yaml)
-    def matmul(self, x: Sym, w: Sym, n_in: int, n_out: int, lora: str | None = None) -> Sym:
+    def matmul(self, x: Sym, w: Sym, n_in: int, n_out: int, lora: str | None = None,
+               kept: bool = False) -> Sym:
         """linear / x @ W / bmm / conv as a matmul: saves the input when the weight needs
         a gradient and the weight when the input does. ``lora``: the linear's name in
-        its block, adapted when :attr:`adapted` lists it."""
+        its block, adapted when :attr:`adapted` lists it. ``kept``: a projection whose
+        product a branch keeps (:meth:`keep`; with LoRA, the base product)."""
         xi, wi = self._lowp_in(x), self._lowp_in(w)
         if wi.rg:
             self.save(xi)
@@ -186,6 +222,8 @@ class Walker:
             self.save(wi)
         out = self.new(x.n // n_in * n_out, self.amp or _promote(x.dtype, w.dtype),
                        x.rg or w.rg)
+        if kept:
+            self.keep(out)
         rank = self.adapted.get(self.prefix + lora) if lora else None
         if rank:
             out = self._adapter(x, n_in, n_out, rank, out)
@@ -204,7 +242,7 @@ class Walker:
         return self.new(out.n, out.dtype)
 
     def lerp(self, start: Sym, end: Sym, weight: Sym, stacked: int = 1) -> Sym:
-        """:func:`rwkv_clip.layers.lerp.lerp`: saves all three whenever one needs a
+        """:func:`rwkv_clip.ops.lerp.lerp`: saves all three whenever one needs a
         gradient. ``stacked``: a weight with a leading (stacked, 1, ...) dimension
         broadcasts start/end (B, T, C) into that many lerps in one (stacked, B, T, C)
         result."""
@@ -235,11 +273,9 @@ class Walker:
             self.save(x)
         return self.new(x.n, x.dtype, x.rg)
 
-    def pow2(self, x: Sym) -> Sym:  # torch.square / ** 2: pow saves self
-        xi = self._fp32_in("pow", x)
-        if x.rg:
-            self.save(xi)
-        return self.new(x.n, self._out_dtype_fp32_op("pow", x), x.rg)
+    def relu_square(self, x: Sym) -> Sym:
+        """rwkv_clip.ops.relu_square: saves relu's result; the square in x's dtype."""
+        return self.new(x.n, x.dtype, self.unary_saves_result(x).rg)
 
     def norm_layer(self, op: str, x: Sym, rows: int) -> Sym:
         """layer_norm / group_norm: saves input, mean and rstd (fp32 per row/group)."""
@@ -269,6 +305,7 @@ class Plan:
     segments: list[Segment]
     weight_cast_bytes: int
     micro_batch: int
+    branch_cast_bytes: int = 0  # of weight_cast_bytes: held by autocast only (the forward)
 
 
 # ----------------------------------------------------------------------------- towers
@@ -280,49 +317,31 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     na = n // C * A
     P = lambda numel, dt="fp32", matrix=False: w.param(numel, dt, matrix)
     x = w.glue(a)                                        # the glue's dtype (autocast's)
-    if x.rg:                                             # rebuilt from the block's norm
-        w.rebuild(x)
     sh = w.new(n, x.dtype, x.rg)                         # token shift: one copy
-    if x.rg:                                             # the shifted tokens: rebuilt
-        w.rebuild(sh)
     mix_input = w.lerp(x, sh, w.glue(P(C)))              # lerp(x, shift(x), time_maa_x)
-    if sh.rebuilt and mix_input.rg:                      # rebuilt from the rebuilt shift
-        w.rebuild(mix_input)
     m1 = w.matmul(mix_input, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
     t1 = w.unary_saves_result(m1)                        # tanh
     # the lerp weights: one baddbmm, maa (cat of time_maa_w/k/v/r/g) + t1 @ W2, (5,B,T,C)
     mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)
     weight = w.add(mm, w.glue(P(5 * C)))
-    if weight.rg or x.rg:                                # the lerp weights: rebuilt
-        w.rebuild(weight)
     mixed = w.lerp(x, sh, weight, stacked=5)             # one (5, B, T, C) lerp
-    if weight.rebuilt and sh.rebuilt:                    # the five mixes: rebuilt
-        w.rebuild(mixed)
     xw, xk, xv, xr, xg = mixed.split(5)                  # unbind: views of one storage
-    r = w.matmul(xr, P(C * A, matrix=True), C, A, lora="att.receptance")
-    k = w.matmul(xk, P(C * A, matrix=True), C, A, lora="att.key")
-    v = w.matmul(xv, P(C * A, matrix=True), C, A, lora="att.value")
-    g = w.silu(w.matmul(xg, P(C * A, matrix=True), C, A, lora="att.gate"))
-    if g.rg:                                             # the gate: rebuilt
-        w.rebuild(g)
+    r = w.matmul(xr, P(C * A, matrix=True), C, A, lora="att.receptance", kept=True)
+    k = w.matmul(xk, P(C * A, matrix=True), C, A, lora="att.key", kept=True)
+    v = w.matmul(xv, P(C * A, matrix=True), C, A, lora="att.value", kept=True)
+    g = w.silu(w.matmul(xg, P(C * A, matrix=True), C, A, lora="att.gate", kept=True))
     d1 = w.matmul(xw, P(C * TIME_DECAY_EXTRA_DIM), C, TIME_DECAY_EXTRA_DIM)
     d2 = w.matmul(w.unary_saves_result(d1), P(TIME_DECAY_EXTRA_DIM * A),
                   TIME_DECAY_EXTRA_DIM, A)
     decay = w.add(P(A, decay_dtype), d2)
-    if decay.rg:                                         # the decay logits: rebuilt
-        w.rebuild(decay)
     # WKV: the native kernels save r, k, v, w as given (bf16/fp16/fp32 read directly)
     wkv_rg = r.rg or k.rg or v.rg or decay.rg
     if wkv_rg:
         w.save(r, k, v, decay)
-    y = w.new(na, "fp32", wkv_rg)
+    y = w.keep(w.new(na, "fp32", wkv_rg))               # the WKV's result: kept
     yn = w.norm_layer("group_norm", y, (na // A) * H)  # mean/rstd per (row, head)
     yg = w.glue(yn)                                      # y.to(g.dtype)
-    if w.device == "cpu" and yg.rg:                      # the CPU head norm's: rebuilt
-        w.rebuild(yg)
     gated = w.mul(yg, g)
-    if gated.rg and (g.base or g).rebuilt:                           # rebuilt from the rebuilt gate
-        w.rebuild(gated)
     out = w.matmul(gated, P(A * C, matrix=True), A, C, lora="att.output")
     b = _SIZES
     # backward working set: the stacked lerp's output gradient (the five matmul input
@@ -346,31 +365,22 @@ def _channel_mix(w: Walker, bx: Sym, C: int, Fh: int, image: bool) -> tuple[Sym,
     nf = n // C * Fh
     P = lambda numel: w.param(numel, matrix=True)
     x = w.glue(bx)
-    if x.rg:                                           # rebuilt from the block's norm
-        w.rebuild(x)
     sh = w.new(n, x.dtype, x.rg)
-    if x.rg:                                           # the shifted tokens: rebuilt
-        w.rebuild(sh)
     mix = w.glue(w.param(2 * C))                       # cat of the two mix parameters
     mixed = w.lerp(sh, x, mix, 2) if image else w.lerp(x, sh, mix, 2)
-    if sh.rebuilt and mixed.rg:                        # the two mixes: rebuilt
-        w.rebuild(mixed)
     xk, xr = mixed.split(2)
-    kk = w.unary_saves_result(w.matmul(xk, P(C * Fh), C, Fh, lora="ffn.key"))   # relu
-    k2 = w.pow2(kk)
-    if w.device == "cpu" or w.amp is None:  # relu_square's own Function: k2 rebuilt
-        w.rebuild(k2)
-    val = w.matmul(k2, P(Fh * C), Fh, C, lora="ffn.value")
-    rr = w.unary_saves_result(w.matmul(xr, P(C * C), C, C, lora="ffn.receptance"))  # sigmoid
+    k2 = w.relu_square(w.matmul(xk, P(C * Fh), C, Fh, lora="ffn.key", kept=True))
+    val = w.matmul(k2, P(Fh * C), Fh, C, lora="ffn.value", kept=True)
+    rr = w.unary_saves_result(w.matmul(xr, P(C * C), C, C, lora="ffn.receptance",  # sigmoid
+                                       kept=True))
     out = w.mul(rr, val)
     b = _SIZES
     # backward: the square's gradient, then relu_square's two passes (one hidden-sized
     # temporary) outside autocast, autograd's pow + relu backward (two) under it
     ws = (2 if w.amp is None else 3) * nf * b[k2.dtype] + 2 * n * 4
     # no_grad: bx (held by the caller), its glue copy, the shift, the two lerped inputs,
-    # one C-sized result; the hidden activation, squared in place (relu_square), except
-    # under GPU autocast: there relu's result and the square are two more of its size.
-    hidden = nf * b[kk.dtype] + (2 * nf * b[k2.dtype] if w.device == "cuda" and w.amp else 0)
+    # one C-sized result; the hidden activation, squared in place (relu_square).
+    hidden = nf * b[k2.dtype]
     inf = (n * b[bx.dtype] + (x is not bx) * n * b[x.dtype] + 4 * n * b[x.dtype] + hidden)
     return out, ws, inf
 
@@ -379,21 +389,26 @@ def _block(w: Walker, x: Sym, C: int, A: int, H: int, Fh: int, first: bool, imag
            decay_dtype: str, amp_grad: str) -> tuple[Sym, int, int]:
     rows = x.n // C
     inf0 = x.n * _SIZES[x.dtype]
-    w.rebuilding = rebuilds(x.n)
+    w.rebuilding = not w.policy_off and rebuilds(x.n)
     if first:
         x = w.norm_layer("layer_norm", x, rows)           # ln0
+    w.begin_branch(x)
     a = w.norm_layer("layer_norm", x, rows)               # ln1
     o, ws1, inf1 = _time_mix(w, a, C, A, H, decay_dtype, amp_grad)
+    again1 = w.end_branch()
     x1 = w.add(x, o)
-    bx = w.norm_layer("layer_norm", x1, rows)             # ln2
     held = set(w.saved)
+    w.begin_branch(x1)
+    bx = w.norm_layer("layer_norm", x1, rows)             # ln2
     c, ws2, inf2 = _channel_mix(w, bx, C, Fh, image)
+    again2 = w.end_branch()
     x2 = w.add(x1, c)
     # backward runs the channel mix first; by the time mix's backward, the channel mix's
-    # saved tensors are freed, so its working set counts above what is left
+    # saved tensors are freed, so its working set counts above what is left. A branch
+    # whose saves are recomputed has them alive again during its backward.
     cmix_saved = sum(t.nbytes for key, t in w.saved.items()
                      if key not in held and not t.rebuilt)
-    ws = max(ws2, ws1 - cmix_saved) if x2.rg else 0  # a frozen block has no backward
+    ws = max(ws2 + again2, ws1 + again1 - cmix_saved) if x2.rg else 0  # frozen: no backward
     return x2, ws, inf0 + max(inf1, inf2 + x1.n * _SIZES[x1.dtype])
 
 
@@ -416,7 +431,7 @@ LOSS = "logit_scale"
 def activation_segments(args: Any, batch: int, amp: str | None, device: str,
                         world_size: int = 1, local_loss: bool = False,
                         loss_batch: int | None = None,
-                        params: ParamTable | None = None) -> Plan:
+                        params: ParamTable | None = None, checkpointing: bool = False) -> Plan:
     """Forward, segment by segment, for one micro-batch of ``batch`` samples.
 
     Op by op (the same ops as :mod:`rwkv_clip.image_rwkv`, :mod:`rwkv_clip.text_rwkv` and
@@ -426,7 +441,9 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
     saved by several ops is counted once. Segments: embedding, each block, head, loss. The loss
     scores ``loss_batch`` samples per rank (the whole accumulated batch: the training
     loop's exact accumulation caches every micro-batch's features). ``params`` is
-    :func:`parameter_table` of ``args`` (built here when not given)."""
+    :func:`parameter_table` of ``args`` (built here when not given). Blocks rebuild
+    (:func:`rwkv_clip.layers.activation_memory.rebuilds`) unless ``checkpointing``: a
+    whole-block checkpoint's own hooks turn the branches' policy off."""
     for bad in ("head_qk", "tiny_att_dim", "pos_emb"):
         if (_cfg(args, bad, 0) or 0) > 0:
             raise ConfigError(f"memory planner: text option {bad}={_cfg(args, bad)} is not "
@@ -445,6 +462,7 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
     B = batch
     img = Sym(B * 3 * S * S, "fp32", rg=False)            # input: no grad, saved by conv
     w = Walker(amp, device)
+    w.policy_off = checkpointing
     ft = params.finetune
     if ft is not None:
         from .finetune import configure_walker
@@ -507,4 +525,4 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
     n_mm = 2 if (world_size == 1 or local_loss) else 1
     loss_saved = n_mm * n_logits * 4 + 2 * n_logits * 4 + 4 * glob * C * 4
     _append(w, segs, Segment("loss", loss_saved, grads(LOSS), 2 * n_logits * 4))
-    return Plan(segs, w.weight_cast_bytes, B)
+    return Plan(segs, w.weight_cast_bytes, B, w.branch_cast_bytes)

@@ -2,17 +2,15 @@
 
 The towers mix each token with its shifted neighbours by ``lerp(x, shifted, weight)``, five
 (or two) mixes at once with a stacked weight; :func:`lerp` and :func:`lerp_split` (the
-stacked lerp as its slices) keep the forward and save less work in the backward.
+stacked lerp as its slices) keep the forward and do less work in the backward.
+:func:`lerp_reference` and :func:`lerp_split_reference` are the torch expressions they
+stand for.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .recompute import RecomputedSaves
 
 _WIDE = (torch.float32, torch.float64)
 
@@ -127,51 +125,15 @@ def lerp_split(start: torch.Tensor, end: torch.Tensor,
     return _LerpSplit.apply(start, end, weight)
 
 
-def shifted_tokens(x: torch.Tensor, shift: Callable[[torch.Tensor], torch.Tensor],
-                   saves: RecomputedSaves | None
-                   ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
-    """``shift(x)``, and within ``saves`` (x needing grad) the function that gives it again
-    in the backward (from x or x's own rebuild), registered before the lerps save it; else
-    None."""
-    shifted = shift(x)
-    again = None
-    if saves is not None and x.requires_grad:
-        x_src = saves.source(x)
-        again = saves.add(shifted, lambda: shift(x_src()))
-    return shifted, again
+def lerp_reference(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What :func:`lerp` computes, in torch's own ops."""
+    return torch.lerp(start, end, weight)
 
 
-def rebuilt_lerp(result: torch.Tensor, x: torch.Tensor,
-                 shifted_again: Callable[[], torch.Tensor] | None,
-                 weight_again: Callable[[], torch.Tensor] | None,
-                 saves: RecomputedSaves | None, shifted_first: bool = False) -> None:
-    """Register ``result = lerp(x, shifted, weight)`` (``lerp(shifted, x, weight)`` with
-    ``shifted_first``) with ``saves``, rebuilt from x, the rebuilt shifted tokens and the
-    weight, where both of those can be had again in the backward (the caller checks that
-    a gradient flows through it)."""
-    if saves is None or shifted_again is None or weight_again is None:
-        return
-    x_src = saves.source(x)
-
-    def rebuild() -> torch.Tensor:
-        start, end = x_src(), shifted_again()
-        if shifted_first:
-            start, end = end, start
-        return torch.lerp(start, end, weight_again())
-    saves.add(result, rebuild)
+def lerp_split_reference(start: torch.Tensor, end: torch.Tensor,
+                         weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What :func:`lerp_split` computes, in torch's own ops."""
+    return torch.lerp(start, end, weight).unbind(0)
 
 
-def token_mixes(x: torch.Tensor, shifted: torch.Tensor, weight: torch.Tensor,
-                saves: RecomputedSaves | None = None,
-                shifted_again: Callable[[], torch.Tensor] | None = None,
-                weight_again: Callable[[], torch.Tensor] | None = None,
-                shifted_first: bool = False) -> tuple[torch.Tensor, ...]:
-    """The stacked mixes ``lerp_split(x, shifted, weight)`` (``lerp_split(shifted, x,
-    weight)`` with ``shifted_first``). Within ``saves``, where the shifted tokens and the
-    weight can be had again, the backward rebuilds the mixes from them instead of keeping
-    them."""
-    mixes = lerp_split(shifted, x, weight) if shifted_first else lerp_split(x, shifted, weight)
-    base = mixes[0]._base
-    if base is not None and mixes[0].requires_grad:
-        rebuilt_lerp(base, x, shifted_again, weight_again, saves, shifted_first)
-    return mixes
+__all__ = ["lerp", "lerp_reference", "lerp_split", "lerp_split_reference"]

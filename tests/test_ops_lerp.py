@@ -1,8 +1,8 @@
-"""rwkv_clip.layers.lerp: torch.lerp's values, gradients (gradcheck) and saved tensors."""
+"""rwkv_clip.ops.lerp: torch.lerp's values, gradients (gradcheck) and saved tensors."""
 import pytest
 import torch
 
-from rwkv_clip.layers import lerp, lerp_split
+from rwkv_clip.ops.lerp import lerp, lerp_split
 
 SHAPES = [  # (start/end, weight): the towers' three uses
     ((2, 5, 8), (5, 2, 5, 8)),     # the stacked data-dependent weights

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rwkv_clip.layers import relu_square
+from rwkv_clip.ops.relu_square import relu_square
 
 
 def _both(x: torch.Tensor, grad: torch.Tensor):

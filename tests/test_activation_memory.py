@@ -1,0 +1,153 @@
+"""The residual branches' activation-memory policy (rwkv_clip.layers.activation_memory):
+the same gradients bit for bit, the projections and the WKV kept and nothing else, off
+where it does not apply."""
+import math
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+from train_util import TINY_CONFIG, tiny_model
+
+from rwkv_clip import load_model_configs
+from rwkv_clip.cpu_gemm import cpu_matmul_choice_reset
+from rwkv_clip.errors import ConfigError
+from rwkv_clip.layers import activation_memory
+from rwkv_clip.memory import synthetic_batch
+
+
+def _step(model, images, tokens, amp, after_forward=None):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        img, txt, _ = model(images, tokens)
+    if after_forward is not None:
+        after_forward()
+    weights = torch.linspace(-1, 1, img.shape[-1])
+    ((img.float() * weights).sum() + (txt.float() * weights).sum()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    """Per branch run under the policy: the tensors its SAC cache keeps (filled by the
+    forward, handed to the backward)."""
+    branches = []
+    make = activation_memory.create_selective_checkpoint_contexts
+
+    def contexts(policy):
+        forward, recompute = make(policy)
+        branches.append(forward.storage)
+        return forward, recompute
+    monkeypatch.setattr(activation_memory, "create_selective_checkpoint_contexts", contexts)
+
+    def tensors():
+        out = []
+        for storage in branches:
+            leaves = [leaf.val for entries in storage.values() for entry in entries.values()
+                      for leaf in tree_flatten(entry)[0]
+                      if isinstance(getattr(leaf, "val", None), torch.Tensor)]
+            out.append(leaves)
+        return out
+    return tensors
+
+
+def _shapes(model, batch):
+    args = model.text_model.args
+    image = model.image_model
+    C, T = image.embed_dims, image.patch_resolution[0] * image.patch_resolution[1]
+    F = image.layers[0].ffn.key.out_features
+    rows_i, rows_t = batch * T, batch * args.ctx_len
+    time_i = sorted([(rows_i, C)] * 4 + [(batch, T, C)])
+    time_t = sorted([(rows_t, args.dim_att)] * 4 + [(batch, args.ctx_len, args.dim_att)])
+    ffn_i = sorted([(rows_i, F), (rows_i, C), (rows_i, C)])
+    ffn_t = sorted([(rows_t, args.dim_ffn), (rows_t, args.n_embd), (rows_t, args.n_embd)])
+    return ([time_i, ffn_i] * image.num_layers) + ([time_t, ffn_t] * args.n_layer)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_same_gradients_keeping_the_projections_and_wkv(amp, monkeypatch, kept):
+    model = tiny_model()
+    images, tokens = synthetic_batch(load_model_configs(TINY_CONFIG), 3, "cpu")
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
+    plain = _step(model, images, tokens, amp)
+    assert not kept()
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")  # the tiny batch is below auto's size
+    seen = []
+    policy = _step(model, images, tokens, amp, lambda: seen.extend(kept()))
+    assert policy.keys() == plain.keys()
+    for name in plain:
+        assert torch.equal(policy[name], plain[name]), name
+    # each time mix keeps its four projections (2-D products) and the WKV's (B, T, C)
+    # result; each channel mix its three projections
+    branches = seen
+    assert [sorted(tuple(t.shape) for t in b) for b in branches] == _shapes(model, 3)
+    low = torch.bfloat16 if amp else torch.float32
+    assert all(t.dtype == (torch.float32 if t.dim() == 3 else low)
+               for b in branches for t in b)
+
+
+def test_products_in_fp32_keep_their_rounded_copy(monkeypatch, kept):
+    """Where CPU bf16 products run as fp32 GEMMs (rwkv_clip.layers.linear), the policy
+    keeps the bf16 result, not the fp32 product it was rounded from."""
+    monkeypatch.setenv("RWKV_CLIP_CPU_LOWP_MATMUL", "fp32")
+    cpu_matmul_choice_reset()
+    try:
+        model = tiny_model()
+        images, tokens = synthetic_batch(load_model_configs(TINY_CONFIG), 2, "cpu")
+        monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
+        plain = _step(model, images, tokens, True)
+        monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
+        seen = []
+        policy = _step(model, images, tokens, True, lambda: seen.extend(kept()))
+    finally:
+        monkeypatch.delenv("RWKV_CLIP_CPU_LOWP_MATMUL")
+        cpu_matmul_choice_reset()
+    for name in plain:
+        assert torch.equal(policy[name], plain[name]), name
+    numels = [sorted(math.prod(shape) for shape in b) for b in _shapes(model, 2)]
+    assert [sorted(t.numel() for t in b) for b in seen] == numels
+    # the time mix's WKV result in fp32; every projection's in bf16
+    assert [sum(t.dtype == torch.float32 for t in b) for b in seen] == [1, 0] * (len(seen) // 2)
+    assert all(t.dtype in (torch.float32, torch.bfloat16) for b in seen for t in b)
+
+
+def test_off_without_grad_under_other_hooks_and_whole_block_checkpointing(monkeypatch, kept):
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
+    model = tiny_model()
+    images, tokens = synthetic_batch(load_model_configs(TINY_CONFIG), 2, "cpu")
+    x = torch.randn(4, requires_grad=True)
+    assert activation_memory.applies(x)
+    with torch.no_grad():
+        assert not activation_memory.applies(x)
+        model(images, tokens)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not activation_memory.applies(x)
+        model(images, tokens)
+    assert not kept()
+    plain = _step(model, images, tokens, False)
+    model.image_model.with_cp = True
+    model.text_model.args.with_cp = True
+    try:
+        checkpointed = _step(model, images, tokens, False)
+    finally:
+        model.image_model.with_cp = False
+        model.text_model.args.with_cp = False
+    assert len(kept()) == 2 * 4  # the plain step's branches only
+    for name in plain:
+        assert torch.equal(checkpointed[name], plain[name]), name
+
+
+def test_policy_by_size_and_its_switch(monkeypatch):
+    """auto: from REBUILD_MIN_ELEMENTS on; always / never; anything else one error naming
+    the variable and the choices."""
+    big = activation_memory.REBUILD_MIN_ELEMENTS
+    monkeypatch.delenv("RWKV_CLIP_REBUILD", raising=False)
+    assert activation_memory.rebuilds(big) and not activation_memory.rebuilds(big - 1)
+    assert not activation_memory.applies(torch.randn(4, requires_grad=True))
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
+    assert not activation_memory.rebuilds(10 * big)
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
+    assert activation_memory.rebuilds(1)
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "sometimes")
+    with pytest.raises(ConfigError, match="RWKV_CLIP_REBUILD='sometimes': expected one of "
+                                          "auto, always, never"):
+        activation_memory.rebuilds(1)
