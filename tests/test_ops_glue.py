@@ -23,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rwkv_clip.layers.lerp import lerp_split
-from rwkv_clip.layers.relu_square import relu_square
 from rwkv_clip.layers.shift import bidirectional_shift_multihead, q_shift_multihead
 from rwkv_clip.ops import glue
 from rwkv_clip.ops.glue import (
@@ -34,6 +32,8 @@ from rwkv_clip.ops.glue import (
     shift_lerp_reference,
     shift_reference,
 )
+from rwkv_clip.ops.lerp import lerp_split
+from rwkv_clip.ops.relu_square import relu_square
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

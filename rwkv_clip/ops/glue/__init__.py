@@ -14,6 +14,7 @@ import importlib.util
 
 import torch
 
+from ..relu_square import relu_square as relu_square_fused
 from .reference import (
     SHIFT_KINDS,
     Shift,
@@ -57,9 +58,10 @@ def head_norm_gate(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
 
 
 def relu_square(x: torch.Tensor) -> torch.Tensor:
-    """``square(relu(x))`` in x's dtype (:func:`.reference.relu_square_reference`)."""
+    """``square(relu(x))`` in x's dtype: the Triton op on CUDA, else
+    :func:`rwkv_clip.ops.relu_square.relu_square` (reference: ``relu_square_reference``)."""
     if not uses_triton(x):
-        return relu_square_reference(x)
+        return relu_square_fused(x)
     from .relu_square_kernel import relu_square_op
     return relu_square_op(x)
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..relu_square import relu_square_reference
+
 SHIFT_KINDS = ("sequence", "q")
 
 
@@ -90,11 +92,6 @@ def head_norm_gate_reference(y: torch.Tensor, weight: torch.Tensor, bias: torch.
     B, T, C = y.shape
     normed = F.group_norm(y.to(weight.dtype).view(B * T, C), n_head, weight, bias, eps)
     return normed.view(B, T, C).to(gate.dtype) * F.silu(gate)
-
-
-def relu_square_reference(x: torch.Tensor) -> torch.Tensor:
-    """``square(relu(x))`` in x's dtype (the channel mix's key activation)."""
-    return torch.square(torch.relu(x))
 
 
 __all__ = ["SHIFT_KINDS", "Shift", "head_norm_gate_reference", "relu_square_reference",
