@@ -85,7 +85,10 @@ def test_losses_page_table_is_the_committed_json():
     assert all(r["batch_size"] == first["batch_size"] and r["seed"] == first["seed"]
                for r in runs.values())
     assert f"{steps} steps of {first['batch_size']} pairs" in text
-    assert f"at batch {first['batch_size']} favours" in text
+    clip, siglip = runs["clip"]["zero_shot_top1"], runs["siglip"]["zero_shot_top1"]
+    verdict = ("top-1 is the same" if clip == siglip else
+               f"at batch {first['batch_size']} favours {'CLIP' if clip > siglip else 'SigLIP'}'s")
+    assert verdict in text, verdict  # the prose says what the table shows
     assert f"{first['num_classes']} classes, chance {100 / first['num_classes']:.1f}%" in text
     assert f"the {first['config'].removeprefix('RWKV_CLIP_')} config" in text
 

@@ -114,6 +114,7 @@ class TimeMixBase(nn.Module):
                          self.time_maa_g)).to(x.dtype)  # (5, 1, C)
         weights = matmul(lora, self.time_maa_w2, add=maa).view(5, B, T, C)
         xw, xk, xv, xr, xg = lerp_split(x, shifted, weights)
+        del mix_input, lora, weights  # (5, B, T, C) and more: freed before the WKV's peak
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
         g = F.silu(self.gate(xg))
         # data-dependent decay: time_decay plus a rank-64 tanh LoRA
