@@ -116,6 +116,8 @@ def main(argv=None) -> int:
     if a.epochs < 1 or a.batch_size < 1 or a.num_train < a.batch_size or a.num_groups < 1:
         raise TrainArgsError("--epochs, --batch-size and --num-groups must be >= 1 and "
                              "--num-train at least one batch")
+    if not a.lr > 0:
+        raise TrainArgsError(f"--lr must be > 0, got {a.lr}")
     from rwkv_clip.data.builtin_long import GROUP, ensure_long_caption_dataset
 
     def log(msg: str) -> None:

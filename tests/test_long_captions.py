@@ -370,3 +370,16 @@ def test_fine_tune_a_77_token_checkpoint_on_long_captions(pairs, tmp_path, mode)
     after = summary["zero_shot"]["acc1"]
     assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0
     assert summary["model"].text_model.args.ctx_len == 128 and summary["steps"] == 1
+
+
+@pytest.mark.parametrize("lr", ["0", "-1e-3", "nan"])
+def test_long_captions_script_rejects_a_bad_lr_before_any_work(tmp_path, lr):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "long_captions.py"
+    out = subprocess.run([sys.executable, str(script), f"--lr={lr}", "--data-root",
+                          str(tmp_path / "data")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"long_captions.py: error: --lr must be > 0, got {float(lr)}"], out.stderr
+    assert not (tmp_path / "data").exists()  # failed before generating the split

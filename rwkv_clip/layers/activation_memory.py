@@ -29,8 +29,7 @@ from ..errors import ConfigError
 REBUILD_ENV = "RWKV_CLIP_REBUILD"
 REBUILD_CHOICES = ("auto", "always", "never")
 # auto: branches whose input has at least this many elements (batch x tokens x channels);
-# below it the saved bytes are small and the recomputation's share of the step is not
-# (the small default model trains about 10% slower recomputing).
+# below it the saved bytes are small and the recomputation's share of the step is not.
 REBUILD_MIN_ELEMENTS = 1 << 20
 
 # The mixes' projections whose results the backward reads: r, k, v (the WKV), the gate
