@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
+from .cpu_isa import cpu_info, native_lowp_gemm
 from .errors import PrecisionError
 
 _F = TypeVar("_F", bound=Callable)
@@ -37,7 +37,8 @@ def cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
     fp16) run as fp32 GEMMs on the rounded operands (see :mod:`rwkv_clip.layers.linear`).
 
     ``auto`` (default): on x86 CPUs without native GEMMs of that dtype (bf16: AVX512-BF16
-    or AMX; fp16: AMX-FP16), where torch emulates them many times slower than fp32;
+    or AMX; fp16: AMX-FP16; :func:`rwkv_clip.cpu_isa.native_lowp_gemm`, so capped by
+    ``ONEDNN_MAX_CPU_ISA``), where torch emulates them many times slower than fp32;
     ``native``: never; ``fp32``: always. Read once per dtype from ``RWKV_CLIP_CPU_LOWP_MATMUL``
     (:func:`cpu_matmul_choice_reset` forgets the choices).
     """
@@ -62,24 +63,18 @@ def env_choice(name: str, choices: tuple[str, ...],
     return choice
 
 
-def _is_x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-
-
 @functools.cache
 def _cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
     choice = env_choice(CPU_LOWP_MATMUL_ENV, CPU_LOWP_MATMUL_CHOICES)
     if choice != "auto":
         return choice == "fp32"
-    if not _is_x86():
+    if not cpu_info().x86:
         return False  # other CPUs: leave torch's kernels alone
     if dtype == torch.bfloat16:
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    elif dtype == torch.float16:
-        native = torch.cpu._is_amx_fp16_supported()
-    else:
-        return False
-    return not native
+        return not native_lowp_gemm("bf16")
+    if dtype == torch.float16:
+        return not native_lowp_gemm("fp16")
+    return False
 
 
 CPU_LINEAR_ENV = "RWKV_CLIP_CPU_LINEAR"
@@ -112,19 +107,8 @@ def _cpu_linear_uses_onednn() -> bool:
                              "matmul (torch.backends.mkldnn); expected auto or mkl here")
     if choice != "auto":
         return choice == "onednn"
-    return available and _is_x86() and _cpu_vendor() == "AuthenticAMD"
-
-
-def _cpu_vendor() -> str:
-    """The x86 vendor string (``GenuineIntel``, ``AuthenticAMD``; "" where unknown)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    info = cpu_info()
+    return available and info.x86 and info.vendor == "AuthenticAMD"
 
 
 __all__ = ["cpu_matmul_in_fp32", "cpu_matmul_choice_reset", "cpu_linear_uses_onednn",

@@ -26,6 +26,29 @@ def repo_root() -> Path:
     return REPO
 
 
+def pytest_sessionstart(session):
+    """Where the run happened, first in its output (with -q too): the CPU, the level the
+    project runs at (capped by ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA in the forced-path
+    stage) and the paths that level picks. Once, in the controller of an xdist run."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or hasattr(session.config, "workerinput"):
+        return
+    for line in _machine_lines():
+        reporter.write_line(line)
+
+
+def _machine_lines() -> list[str]:
+    import torch
+
+    from rwkv_clip.cpu_gemm import cpu_matmul_in_fp32
+    from rwkv_clip.cpu_isa import cpu_info
+    from rwkv_clip.ops import build
+    bf16 = "fp32 GEMM of rounded operands" if cpu_matmul_in_fp32(torch.bfloat16) else "native"
+    return [f"cpu: {cpu_info().describe()}",
+            f"torch cpu capability: {torch.backends.cpu.get_cpu_capability()}; WKV CPU build: "
+            f"{build.cpu_kernel_name()}; CPU bf16 autocast products: {bf16}"]
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
                      help="also run tests marked slow (CI does)")

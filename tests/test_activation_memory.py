@@ -14,6 +14,8 @@ from rwkv_clip.errors import ConfigError
 from rwkv_clip.layers import activation_memory
 from rwkv_clip.memory import synthetic_batch
 
+pytestmark = pytest.mark.cpu_isa
+
 
 def _step(model, images, tokens, amp, after_forward=None):
     model.zero_grad(set_to_none=True)
@@ -63,8 +65,22 @@ def _shapes(model, batch):
     return ([time_i, ffn_i] * image.num_layers) + ([time_t, ffn_t] * args.n_layer)
 
 
+@pytest.fixture
+def lowp_matmul(monkeypatch):
+    """Force the CPU bf16 product path (rwkv_clip.layers.linear) for one test."""
+    def choose(choice: str) -> None:
+        monkeypatch.setenv("RWKV_CLIP_CPU_LOWP_MATMUL", choice)
+        cpu_matmul_choice_reset()
+    yield choose
+    monkeypatch.delenv("RWKV_CLIP_CPU_LOWP_MATMUL", raising=False)
+    cpu_matmul_choice_reset()
+
+
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
-def test_same_gradients_keeping_the_projections_and_wkv(amp, monkeypatch, kept):
+def test_same_gradients_keeping_the_projections_and_wkv(amp, monkeypatch, kept, lowp_matmul):
+    """bf16 on the native product path (CPUs with AVX512-BF16 or AMX; forced elsewhere):
+    the 2-D projections of torch's addmm/mm. The fp32-GEMM path: the next test."""
+    lowp_matmul("native")
     model = tiny_model()
     images, tokens = synthetic_batch(load_model_configs(TINY_CONFIG), 3, "cpu")
     monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
@@ -85,22 +101,18 @@ def test_same_gradients_keeping_the_projections_and_wkv(amp, monkeypatch, kept):
                for b in branches for t in b)
 
 
-def test_products_in_fp32_keep_their_rounded_copy(monkeypatch, kept):
-    """Where CPU bf16 products run as fp32 GEMMs (rwkv_clip.layers.linear), the policy
-    keeps the bf16 result, not the fp32 product it was rounded from."""
-    monkeypatch.setenv("RWKV_CLIP_CPU_LOWP_MATMUL", "fp32")
-    cpu_matmul_choice_reset()
-    try:
-        model = tiny_model()
-        images, tokens = synthetic_batch(load_model_configs(TINY_CONFIG), 2, "cpu")
-        monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
-        plain = _step(model, images, tokens, True)
-        monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
-        seen = []
-        policy = _step(model, images, tokens, True, lambda: seen.extend(kept()))
-    finally:
-        monkeypatch.delenv("RWKV_CLIP_CPU_LOWP_MATMUL")
-        cpu_matmul_choice_reset()
+def test_products_in_fp32_keep_their_rounded_copy(monkeypatch, kept, lowp_matmul):
+    """Where CPU bf16 products run as fp32 GEMMs (rwkv_clip.layers.linear; CPUs without
+    AVX512-BF16 or AMX, forced elsewhere), the policy keeps the bf16 result, not the fp32
+    product it was rounded from."""
+    lowp_matmul("fp32")
+    model = tiny_model()
+    images, tokens = synthetic_batch(load_model_configs(TINY_CONFIG), 2, "cpu")
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
+    plain = _step(model, images, tokens, True)
+    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
+    seen = []
+    policy = _step(model, images, tokens, True, lambda: seen.extend(kept()))
     for name in plain:
         assert torch.equal(policy[name], plain[name]), name
     numels = [sorted(math.prod(shape) for shape in b) for b in _shapes(model, 2)]

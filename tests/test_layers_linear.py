@@ -21,6 +21,8 @@ from rwkv_clip.cpu_gemm import (
 from rwkv_clip.errors import PrecisionError
 from rwkv_clip.layers.linear import Linear, conv2d, linear, matmul
 
+pytestmark = pytest.mark.cpu_isa
+
 
 @pytest.fixture
 def choose(monkeypatch):
@@ -51,17 +53,49 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+AVX2 = {"avx2", "fma"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+@pytest.mark.parametrize("flags,caps,bf16_in_fp32,fp16_in_fp32", [
+    (AVX2, {}, True, True),                                    # AMD Zen 2/3, Intel Haswell
+    (AVX512, {}, True, True),                                  # Skylake-X, Ice Lake
+    (AVX512 | {"avx512_bf16"}, {}, False, True),               # AMD Zen 4/5, Cooper Lake
+    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, {}, False, True),  # Sapphire Rapids
+    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16"}, {}, False, False),
+    (AVX512 | {"avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, True, True),
+    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+     True, True),
+    (AVX512 | {"avx512_bf16"}, {"ATEN_CPU_CAPABILITY": "avx2"}, True, True),
+], ids=["avx2", "avx512", "avx512bf16", "amx", "amx-fp16", "capped-avx2", "capped-avx512",
+        "aten-avx2"])
+def test_auto_takes_the_fp32_gemm_without_native_low_precision(
+        policy, monkeypatch, flags, caps, bf16_in_fp32, fp16_in_fp32):
+    """``auto`` decides from the CPU's level (rwkv_clip.cpu_isa), capped as torch and
+    oneDNN are: each machine's decision checked on any machine."""
+    from rwkv_clip import cpu_isa
+    monkeypatch.setattr(cpu_isa, "_proc_cpuinfo", lambda: ("AuthenticAMD", "test", frozenset(flags)))
+    monkeypatch.setattr(cpu_isa.platform, "machine", lambda: "x86_64")
+    cpu_isa._cpu_info.cache_clear()
+    for name in cpu_isa.CAP_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in caps.items():
+        monkeypatch.setenv(name, value)
+    try:
+        policy("auto")
+        assert cpu_matmul_in_fp32(torch.bfloat16) is bf16_in_fp32
+        assert cpu_matmul_in_fp32(torch.float16) is fp16_in_fp32
+        assert cpu_matmul_in_fp32(torch.float32) is False
+    finally:
+        cpu_isa._cpu_info.cache_clear()
+
+
 def test_policy_choices(policy):
     policy("native")
     assert cpu_matmul_in_fp32(torch.bfloat16) is False
     policy("fp32")
     assert cpu_matmul_in_fp32(torch.bfloat16) is True
     assert cpu_matmul_in_fp32(torch.float16) is True
-    policy("auto")
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    import platform
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        assert cpu_matmul_in_fp32(torch.bfloat16) is (not native)
     policy("fast please")
     with pytest.raises(PrecisionError, match=CPU_LOWP_MATMUL_ENV + ".*auto, native, fp32"):
         cpu_matmul_in_fp32(torch.bfloat16)
@@ -218,9 +252,9 @@ def test_fp32_linear_backend_choices(fp32_linear):
     fp32_linear("mkl")
     assert cpu_linear_uses_onednn() is False
     fp32_linear("auto")
-    from rwkv_clip.cpu_gemm import _cpu_vendor
+    from rwkv_clip.cpu_isa import cpu_info
     assert cpu_linear_uses_onednn() is (torch.backends.mkldnn.is_available()
-                                        and _cpu_vendor() == "AuthenticAMD")
+                                        and cpu_info().vendor == "AuthenticAMD")
     fp32_linear("blas")
     with pytest.raises(PrecisionError, match=CPU_LINEAR_ENV + ".*auto, onednn, mkl"):
         cpu_linear_uses_onednn()

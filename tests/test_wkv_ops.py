@@ -1,4 +1,8 @@
-"""The bidirectional WKV6 op: reference vs brute force, native kernels vs reference."""
+"""The bidirectional WKV6 op: reference vs brute force, native kernels vs reference.
+
+The CPU kernel runs the build of the machine's level (rwkv_clip.cpu_isa): the forced-path
+stage runs this file again as on an AVX2 CPU; the narrower builds are also checked
+explicitly (test_narrower_instruction_sets_match_the_reference)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +21,7 @@ from rwkv_clip.ops import (
     wkv6_bidirectional_reference,
 )
 
+pytestmark = pytest.mark.cpu_isa
 HAS_GPU = torch.cuda.is_available()
 HAS_NVCC = toolchain.find_cuda_home() is not None and torch.version.cuda is not None
 HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
@@ -618,6 +623,19 @@ def fresh_env_overrides():
     build.reset_env_overrides()
 
 
+@pytest.fixture
+def uncapped(monkeypatch):
+    """The CPU at its own level for one test: the forced-path stage's caps
+    (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA; rwkv_clip.cpu_isa) lifted, for the tests
+    of the native build and of the levels /proc/cpuinfo alone decides."""
+    from rwkv_clip import cpu_isa
+    for name in cpu_isa.CAP_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    cpu_isa._cpu_info.cache_clear()
+    yield
+    cpu_isa._cpu_info.cache_clear()
+
+
 def test_an_unknown_cpu_isa_choice_is_a_wkv_error(monkeypatch, fresh_env_overrides):
     monkeypatch.setenv(build.CPU_ISA_ENV_VAR, "avx2")
     with pytest.raises(WKVError, match="RWKV_CLIP_WKV_CPU_ISA='avx2': expected 'native' or "
@@ -625,7 +643,8 @@ def test_an_unknown_cpu_isa_choice_is_a_wkv_error(monkeypatch, fresh_env_overrid
         build.cpu_kernel_spec()
 
 
-def test_cpu_build_targets_this_machines_instruction_set(monkeypatch, fresh_env_overrides):
+def test_cpu_build_targets_this_machines_instruction_set(monkeypatch, fresh_env_overrides,
+                                                        uncapped):
     """The CPU kernel is built with -march=native, named after the level and the exact
     feature set the compiler enables; another feature set is another cache entry, and the
     portable build (explicit flags from /proc/cpuinfo) is yet another."""
@@ -658,7 +677,7 @@ def test_cpu_build_targets_this_machines_instruction_set(monkeypatch, fresh_env_
     assert build.cpu_kernel_spec() == portable
 
 
-def test_a_lock_timeout_is_not_a_failed_native_build(tmp_path, monkeypatch):
+def test_a_lock_timeout_is_not_a_failed_native_build(tmp_path, monkeypatch, uncapped):
     """Waiting too long for another builder's lock neither marks the native build as
     failed (that would pin this cache to the portable build) nor builds the portable one."""
     from rwkv_clip.errors import KernelLockTimeoutError
@@ -679,7 +698,7 @@ def test_a_lock_timeout_is_not_a_failed_native_build(tmp_path, monkeypatch):
     assert build.cpu_kernel_specs()[0] == native  # still tried first next time
 
 
-def test_portable_isa_levels_follow_cpuinfo(monkeypatch):
+def test_portable_isa_levels_follow_cpuinfo(monkeypatch, uncapped):
     cases = [({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
               "avx512bf16", "-mavx512bf16"),
              ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx512", "-mavx512f"),
@@ -720,7 +739,8 @@ def test_narrower_instruction_sets_match_the_reference(tmp_path, monkeypatch, cp
 
 @pytest.mark.slow
 @cpu_kernel
-def test_native_build_failure_falls_back_to_the_portable_build(tmp_path, monkeypatch, capsys):
+def test_native_build_failure_falls_back_to_the_portable_build(tmp_path, monkeypatch, capsys,
+                                                               uncapped):
     monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(toolchain, "cpu_native_isa", lambda: ("broken_isa", ["-mno-such-isa-flag"]))
     monkeypatch.setattr(build, "cpu_native_isa", toolchain.cpu_native_isa)

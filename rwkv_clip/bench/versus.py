@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..compiling import compile_model
+from ..cpu_isa import cpu_info
 from ..errors import ConfigError
 
 OPEN_CLIP_DEFAULT = "ViT-B-32"
@@ -292,23 +293,16 @@ RATIO_STATISTIC = ("ABBA per repeat; ratio = median over repeats of the paired (
 
 def machine(device: torch.device) -> dict[str, Any]:
     """What the figures ran on: the CPU's model and the ISA extensions that decide its
-    GEMM speed (torch's CPU capability, AVX-512, AVX512-BF16, AMX), and the GPU's name."""
-    import platform
-    flags: set[str] = set()
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
+    GEMM speed (torch's CPU capability, AVX-512, AVX512-BF16, AMX, the level the project
+    ran at), and the GPU's name."""
+    cpu = cpu_info()
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
-    info: dict[str, Any] = {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                            "isa": [f for f in wanted if f in flags],
-                            "cores": os.cpu_count()}
+    info: dict[str, Any] = {"cpu": cpu.model or cpu.arch,
+                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                            "isa": [f for f in wanted if f in cpu.flags],
+                            "isa_level": cpu.level, "cores": os.cpu_count()}
+    if cpu.caps:
+        info["isa_caps"] = list(cpu.caps)
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

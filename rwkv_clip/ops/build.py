@@ -21,6 +21,7 @@ from .cache import KernelSpec, build_lock, cache_root, is_built, lock_timeout, m
 from .toolchain import (
     check_cxx,
     cpu_isa_flags,
+    cpu_level_capped,
     cpu_native_isa,
     cuda_arch_list,
     cuda_gencode_flags,
@@ -193,15 +194,16 @@ NATIVE_FAILED_MARKER = "native_build_failed.txt"
 
 def cpu_kernel_spec(portable: bool | None = None) -> KernelSpec:
     """The CPU kernel's build: for this machine's own instruction set (``-march=native``)
-    unless ``portable`` (default: ``$RWKV_CLIP_WKV_CPU_ISA`` is ``portable``) or the
-    compiler cannot target it; the portable build has the explicit flags of the best
-    level /proc/cpuinfo shows (AVX-512 with or without BF16, AVX2, or none)."""
+    unless ``portable`` (default: ``$RWKV_CLIP_WKV_CPU_ISA`` is ``portable``, or the level
+    is capped below the CPU's, :mod:`rwkv_clip.cpu_isa`) or the compiler cannot target it;
+    the portable build has the explicit flags of the best level /proc/cpuinfo shows within
+    that cap (AVX-512 with or without BF16, AVX2, or none)."""
     if portable is None:
         choice = (env_override(CPU_ISA_ENV_VAR) or "native").strip().lower()
         if choice not in ("native", "portable"):
             raise WKVError(f"rwkv_clip: {CPU_ISA_ENV_VAR}={choice!r}: expected 'native' or "
                            "'portable'")
-        portable = choice == "portable"
+        portable = choice == "portable" or cpu_level_capped()
     native = None if portable else cpu_native_isa()
     tag, isa = native if native is not None else cpu_isa_flags()
     kind = "native" if native is not None else "portable"

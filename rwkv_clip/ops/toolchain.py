@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..cpu_isa import LEVELS, cpu_info
 from ..errors import WKVError
 
 # With no GPU visible (a login node, a CPU-only build job) and no TORCH_CUDA_ARCH_LIST,
@@ -41,14 +42,7 @@ def source_dir() -> Path:
 
 def _cpu_flags() -> set[str]:
     """The feature flags /proc/cpuinfo lists for the first CPU (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(cpu_info().flags)
 
 
 # Instruction-set levels, best first: (tag, cpuinfo flags it needs, explicit compiler flags).
@@ -63,14 +57,23 @@ ISA_LEVELS = (
 
 
 def cpu_isa_flags() -> tuple[str, list[str]]:
-    """The portable build: the best level of :data:`ISA_LEVELS` /proc/cpuinfo shows, as
-    explicit ``-m`` flags (tag, flags); ``("base", [])`` when none applies. The tag goes
-    into the cache name so a shared cache never hands AVX code to an older CPU."""
+    """The portable build: the best level of :data:`ISA_LEVELS` /proc/cpuinfo shows, at
+    most the project's level (:func:`rwkv_clip.cpu_isa.cpu_info`), as explicit ``-m``
+    flags (tag, flags); ``("base", [])`` when none applies. The tag goes into the cache
+    name so a shared cache never hands AVX code to an older CPU."""
     flags = _cpu_flags()
+    cap = LEVELS.index(cpu_info().level)
     for tag, needs, isa in ISA_LEVELS:
-        if needs <= flags:
+        if needs <= flags and LEVELS.index(tag) <= cap:
             return tag, isa
     return "base", []
+
+
+def cpu_level_capped() -> bool:
+    """Whether the project runs below the CPU's own level (``ATEN_CPU_CAPABILITY`` or
+    ``ONEDNN_MAX_CPU_ISA`` set lower): then no ``-march=native`` build, the portable one."""
+    info = cpu_info()
+    return info.level != info.hardware_level
 
 
 def _isa_level(features: set[str]) -> str:
