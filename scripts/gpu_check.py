@@ -237,6 +237,10 @@ def install_wheels(python: str, site: Path, wheel_dirs: list[Path], base_env: di
     if site.exists():
         shutil.rmtree(site)
     site.mkdir(parents=True)
+    if not chosen and not left_out:  # an ordinary environment: its own packages serve
+        return {"status": "skipped", "site": str(site), "installed": [], "left_out": {},
+                "reason": f"no wheels in {[str(d) for d in wheel_dirs]}: the interpreter's "
+                          "own packages are used"}
     cmd = [python, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
            "--quiet", "--target", str(site)] + [str(w) for w in chosen]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=base_env)

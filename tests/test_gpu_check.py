@@ -263,3 +263,14 @@ def test_selection_adds_what_every_step_needs():
     speed = gpu_check.selected_steps("speed, glue_ops")
     assert speed == {*gpu_check.ALWAYS, *gpu_check.SPEED_STEPS, "glue_ops"}
     assert gpu_check.selected_steps("wkv_bf16") == {*gpu_check.ALWAYS, "wkv_bf16"}
+
+
+def test_an_ordinary_environment_needs_no_wheels(tmp_path):
+    """docs/gpu-check.md's first way: the project's venv runs the check with no .whl/; the
+    wheels step is skipped, saying so, and the site folder holds nothing to shadow the
+    venv's packages."""
+    empty = tmp_path / "whl"
+    empty.mkdir()
+    res = gpu_check.install_wheels(sys.executable, tmp_path / "site", [empty], dict(os.environ))
+    assert res["status"] == "skipped" and "own packages" in res["reason"]
+    assert res["installed"] == [] and list((tmp_path / "site").iterdir()) == []

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
 from rwkv_clip.config import ModelArgs
 
+pytestmark = pytest.mark.cpu_isa  # the WKV CPU build and the bf16 product path vary by CPU
 BACKENDS = ["reference", "cpu"]
 # the CUDA kernel inside the whole model, in fp32 without TF32 (run by the GPU check)
 WITH_CUDA = [*BACKENDS, pytest.param("cuda", marks=[
@@ -106,9 +107,22 @@ def test_published_manifests(reference_dir, repo_root, name):
 # (rwkv_clip.layers.time_mix.glue_dtype) instead of the original's promotion of every
 # lerp back to float32; these bounds are ~2.5x what the original promotion gives on
 # this data (features 5.5e-3 / 6e-4, loss 8e-4, worst gradient norm 8%), so either rule
-# passes and a real precision loss does not.
+# passes and a real precision loss does not. Both CPU product paths, whatever the CPU:
+# torch's bf16 GEMMs (native) and fp32 GEMMs of the rounded operands (rwkv_clip.layers.linear).
+@pytest.mark.parametrize("products", ["native", "fp32"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_golden_bf16_autocast(golden, backend):
+def test_golden_bf16_autocast(golden, backend, products, monkeypatch):
+    from rwkv_clip.cpu_gemm import CPU_LOWP_MATMUL_ENV, cpu_matmul_choice_reset
+    monkeypatch.setenv(CPU_LOWP_MATMUL_ENV, products)
+    cpu_matmul_choice_reset()
+    try:
+        _golden_bf16_autocast(golden, backend)
+    finally:
+        monkeypatch.delenv(CPU_LOWP_MATMUL_ENV)
+        cpu_matmul_choice_reset()
+
+
+def _golden_bf16_autocast(golden, backend):
     model = _golden_model(golden, backend).eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         image_features, text_features, _ = model(golden["images"], golden["text"])

@@ -13,6 +13,8 @@ from rwkv_clip.train.accumulation import caption_generator, make_micro_batches, 
 from rwkv_clip.train.args import parse_args
 from rwkv_clip.train.loop import build_optimizer
 
+pytestmark = pytest.mark.cpu_isa  # bf16 and fp16 steps take the CPU's product path
+
 
 def _micro_batches(n=6, k=1):
     g = torch.Generator().manual_seed(3)
