@@ -234,6 +234,8 @@ def _main(argv: Sequence[str] | None, retrieval: bool) -> int:
     from ..host_memory import configure_host_malloc
 
     opts = parse_options(argv, retrieval)
+    from ..ops import check_wkv_environment
+    check_wkv_environment()  # a mistyped kernel name stops here, on every device
     # the process is ours: on the CPU it keeps freed memory for the next batch's reuse
     configure_host_malloc(pick_device(opts.device or "auto", launch_environment()[2]))
     run(opts)
