@@ -194,6 +194,32 @@ def hub_cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
+HUB_PROBE_TIMEOUT = 5.0  # seconds the one reachability try may take (HF_HUB_ETAG_TIMEOUT if lower)
+
+
+def _network_failure(exc: BaseException) -> bool:
+    """A connection that could not be made (refused, no route, DNS, timeout), whichever
+    HTTP library huggingface_hub uses."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return isinstance(exc, (OSError, TimeoutError)) or bool(
+        names & {"TransportError", "TimeoutException", "ConnectionError", "OfflineModeIsEnabled"})
+
+
+def hub_reachable(repo: str, filename: str, revision: str | None = None) -> bool:
+    """One try at the file's metadata, with a short timeout and no retry: False when the
+    Hub cannot be reached, so a machine without network falls back to the cache at once
+    instead of huggingface_hub's retries (about 30 s). Any answer from the Hub (the file,
+    or an error of its own such as a missing repository) is True: the download reports it."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+
+    timeout = min(HUB_PROBE_TIMEOUT, float(constants.HF_HUB_ETAG_TIMEOUT))
+    try:
+        get_hf_file_metadata(hf_hub_url(repo, filename, revision=revision), timeout=timeout)
+    except Exception as exc:  # a network failure, or the Hub's own answer
+        return not _network_failure(exc)
+    return True
+
+
 def download_from_hub(repo: str, filename: str, revision: str | None = None,
                       cache_dir: str | os.PathLike | None = None) -> Path:
     """``filename`` of the Hub repository ``repo`` in the local cache (fetched if missing,
@@ -214,9 +240,11 @@ def download_from_hub(repo: str, filename: str, revision: str | None = None,
     offline = bool(constants.HF_HUB_OFFLINE) or _env_true("HF_HUB_OFFLINE")
     fetch = f"hf download {repo} {filename}" + (f" --revision {revision}" if revision else "")
     where = f"{repo}/{filename}" + (f"@{revision}" if revision else "")
+    # an unreachable Hub: the cache alone, then the hint (no retry loop)
+    cache_only = offline or not hub_reachable(repo, filename, revision)
     try:
         return Path(hf_hub_download(repo, filename, revision=revision, cache_dir=cache,
-                                    local_files_only=offline))
+                                    local_files_only=cache_only))
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
         raise CheckpointError(f"file {filename} of Hub repository {repo}"

@@ -58,7 +58,7 @@ def test_jsonl_to_rec_with_skips(tmp_path):
     s = convert(str(src), str(tmp_path / "out" / "train"), progress=False)
     assert s["written"] == 2 and s["skipped"] == 3
     assert s["reasons"] == {"skipped: undecodable image (UnidentifiedImageError)": 1,
-                            "skipped: image file not found": 1, "skipped: missing caption": 1}
+                            "skipped: image file not found": 1, "skipped: empty caption": 1}
     r = RecordIOReader(str(tmp_path / "out" / "train"))
     assert r.keys == [0, 1]
     _, h, lab, img = r.read_item(0)

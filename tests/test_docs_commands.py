@@ -86,6 +86,8 @@ COMMANDS: dict[str, str] = {
     "--train-data data/long --lora-rank 16 --output runs/long": "help",
     "python train.py --pretrained runs/default/checkpoints/epoch_latest.pt --ctx-len 248 "
     "--train-data data/long --lock-image --output runs/long": "help",
+    # its memory plan (tests/test_memory.py checks the context length is what it plans)
+    "python -m rwkv_clip.memory --config RWKV_CLIP_small --ctx-len 248 --lora-rank 16": "run",
     # evaluation (the paper's sets, 8 GPUs, downloads)
     "python zero_shot.py": "help",
     "python zero_shot.py --model-weight runs/default/checkpoints/epoch_latest.pt": "help",

@@ -297,3 +297,27 @@ def test_estimate_within_15_percent_of_measured_cpu(tiny, checkpointing):
     m = measure(str(path), batch, "fp32", checkpointing, "cpu", timeout=600)
     est = training_peak(args, batch, "fp32", checkpointing, device="cpu")["training_peak_bytes"]
     assert abs(est / m["measured_peak_bytes"] - 1) < 0.15, (est, m)
+
+
+def test_planner_takes_train_py_config_flags_such_as_ctx_len(capsys):
+    """docs/evaluation.md's long-caption LoRA run, planned with its flags: a longer
+    context costs more activation memory; a bad value names its key in one line."""
+    from rwkv_clip.memory.cli import build_planner_parser
+    from rwkv_clip.memory.cli import run as planner
+    from rwkv_clip.train.args import build_train_parser
+
+    def plan(*flags: str) -> dict:
+        assert planner(["--config", "RWKV_CLIP_small", "--lora-rank", "16", "--json",
+                        *flags]) == 0
+        return json.loads(capsys.readouterr().out)["estimate"]
+
+    long, short = plan("--ctx-len", "248"), plan("--ctx-len", "77")
+    assert long["training_peak_bytes"] > short["training_peak_bytes"]
+    assert planner(["--ctx-len", "0"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "ctx_len" in err, err
+    planner_flags = set(build_planner_parser()._option_string_actions)
+    tower = {o for a in build_train_parser()._actions for o in a.option_strings
+             if a.dest in ("input_size", "ctx_len", "n_layer", "n_embd", "image_depth",
+                           "head_size", "vocab_size", "image_patch_size")}
+    assert tower <= planner_flags, tower - planner_flags

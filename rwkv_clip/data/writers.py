@@ -20,6 +20,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import DataError
+from ..text_files import EMPTY_CAPTION, check_encoding, is_empty_caption, text_lines
 from .recordio import RecordIOWriter
 from .tokens import CONTEXT_LENGTH, NUM_LABELS, encode_captions_batch, labels_for_rec
 from .wds import sample_key
@@ -46,35 +47,37 @@ def _caption_fields(obj: dict) -> tuple:
     return raw, obj.get("synthetic") or None, obj.get("generated") or None
 
 
-def _text_lines(f, path: str, encoding: str) -> Iterator[str]:
-    """Decode a binary file line by line, so a bad byte is reported with its line."""
-    for lineno, raw in enumerate(f, 1):
-        try:
-            yield raw.decode(encoding)
-        except UnicodeDecodeError as e:
-            raise DataError(f"line {lineno} is not valid {encoding} text ({e.reason} at byte "
-                            f"{e.start} of the line); give the file's encoding with --encoding",
-                            f"{path}:{lineno}") from None
+def _csv_rows(lines: Iterator[str], path: str) -> Iterator[tuple[int, dict]]:
+    """(line, row) of a CSV/TSV read by the csv module (quoted fields may hold the
+    delimiter and line breaks). A row with more fields than the header is an error naming
+    its line: the caption of ``a.jpg,a red square, on white`` would otherwise be cut at
+    the unquoted comma."""
+    delim = "\t" if path.lower().endswith(".tsv") else ","
+    rows = csv.DictReader(lines, delimiter=delim)
+    if rows.fieldnames is None or "image" not in rows.fieldnames:
+        raise DataError("CSV input needs a header with an 'image' column", path)
+    header = len(rows.fieldnames)
+    for row in rows:
+        if None in row:  # DictReader puts the fields past the header under None
+            n = header + len(row[None])
+            sep = "tab" if delim == "\t" else "comma"
+            raise DataError(f"row at line {rows.line_num} has {n} fields but the header has "
+                            f"{header} ({', '.join(rows.fieldnames)}); put a caption that "
+                            f"holds a {sep} in double quotes", f"{path}:{rows.line_num}")
+        yield rows.line_num, row
 
 
 def iter_pairs_file(path: str, encoding: str = "utf-8") -> Iterator[dict]:
     """Yield samples from a JSONL or CSV file of pairs (text in ``encoding``)."""
     if not os.path.isfile(path):
         raise DataError("input file not found", path)
-    try:
-        "".encode(encoding)
-    except LookupError:
-        raise DataError(f"unknown text encoding {encoding!r}", path) from None
+    check_encoding(encoding, path)
     base = os.path.dirname(os.path.abspath(path))
     is_csv = path.lower().endswith((".csv", ".tsv"))
     with open(path, "rb") as f:
-        lines = _text_lines(f, path, encoding)
+        lines = text_lines(f, path, encoding)
         if is_csv:
-            delim = "\t" if path.lower().endswith(".tsv") else ","
-            rows = csv.DictReader(lines, delimiter=delim)
-            if rows.fieldnames is None or "image" not in rows.fieldnames:
-                raise DataError("CSV input needs a header with an 'image' column", path)
-            source = ((rows.line_num, r) for r in rows)
+            source = _csv_rows(lines, path)
         else:
             def _jsonl():
                 for lineno, line in enumerate(lines, 1):
@@ -114,7 +117,14 @@ def _group_sample(name: str, g: dict) -> dict:
             meta = {}
         if not isinstance(meta, dict):
             meta = {}
-    raw = g["txt"].decode("utf-8", "replace").strip() if "txt" in g else None
+    raw = None
+    if "txt" in g:
+        try:
+            raw = g["txt"].decode("utf-8").strip()
+        except UnicodeDecodeError as e:  # img2dataset writes UTF-8: the file is damaged
+            raise DataError(f"caption is not valid utf-8 text ({e.reason} at byte {e.start}); "
+                            "img2dataset writes UTF-8, so the file is damaged: fix or remove "
+                            "the sample", f"{name}.txt") from None
     if not raw:
         raw = meta.get("caption") or meta.get("raw")
     if img_ext is None:
@@ -319,8 +329,8 @@ def _prepared(samples: Iterable[dict], resize, summary: Counter, skipped_example
                 raise SkipSample(s["error"], s.get("detail"))
             stored = s.get("tokens")
             raw = s.get("raw")
-            if stored is None and (not isinstance(raw, str) or not raw.strip()):
-                raise SkipSample("missing caption")
+            if stored is None and is_empty_caption(raw):
+                raise SkipSample(EMPTY_CAPTION)
             jpg = prepare_image(_load_bytes(s), resize)
         except SkipSample as e:
             reason = str(e)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from ..config import INPUT_SIZE_FLAGS, str2bool
 from ..errors import EvalError, OneLineArgumentParser, run_cli
 from ..faults import DEFAULT_DIST_TIMEOUT
+from ..text_files import check_encoding
 from .runner import ARCH_FLAGS, run
 
 DATA_ROOT_ENV = "RWKV_CLIP_DATA_ROOT"
@@ -42,13 +43,16 @@ Examples:
       --data-root /data/coco
   python text_image_retrieval.py --model-weight model_31.pt --dataset flickr \\
       --data-root /data/flickr30k
+  python text_image_retrieval.py --model-weight w.pt --dataset urban1k --data-root /data/Urban1k \\
+      --ctx-len 248 --encoding latin-1
 """
 
 
 def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     """The parser of ``zero_shot.py`` (``retrieval=False``) or ``text_image_retrieval.py``."""
     prog = "text_image_retrieval.py" if retrieval else "zero_shot.py"
-    description = ("Zero-shot image-text retrieval of RWKV-CLIP (MSCOCO, Flickr30k, JSONL)"
+    description = ("Zero-shot image-text retrieval of RWKV-CLIP (MSCOCO, Flickr30k, Urban1k, "
+                   "ShareGPT4V, DCI, JSONL)"
                    if retrieval else
                    "Zero-shot evaluation of RWKV-CLIP: classification and image-text retrieval")
     p = OneLineArgumentParser(prog=prog, description=description,
@@ -87,15 +91,17 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     if retrieval:
         g.add_argument("--dataset", default="coco", metavar="A,B,...",
                        help="comma list of retrieval sets: coco (mscoco), flickr (flickr30k), "
-                            "jsonl (--retrieval-file). Default: coco, as the original")
+                            "urban1k (--data-root with image/ and caption/), sharegpt4v and "
+                            "dci (--retrieval-file FILE.json), jsonl (--retrieval-file). "
+                            "Default: coco, as the original")
     else:
         g.add_argument("--dataset", default=None, metavar="A,B,...",
                        help="comma list of sets. Classification: " + CLASSIFICATION_SETS +
                             ", imagefolder (any folder of class sub-folders, given by "
                             "--data-root), builtin (the built-in held-out split; the "
                             "default), builtin_shifted (its distribution-shifted split). "
-                            "Retrieval: mscoco (coco), flickr30k (flickr), jsonl "
-                            "(--retrieval-file).")
+                            "Retrieval: mscoco (coco), flickr30k (flickr), urban1k, "
+                            "sharegpt4v, dci, jsonl (--retrieval-file).")
     g.add_argument("--data-root", default=os.environ.get(DATA_ROOT_ENV), metavar="DIR",
                    help="folder holding the sets in torchvision's layouts (e.g. "
                         "DIR/cifar-10-batches-py, DIR/imagenet/val/<wnid>/ or "
@@ -113,7 +119,12 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
                             "80 ImageNet templates.")
     g.add_argument("--retrieval-file", default=None, metavar="FILE",
                    help="retrieval annotations: JSONL of {\"image\": path, \"captions\": [...]}, "
-                        "or a Karpathy test JSON for mscoco/flickr30k")
+                        "a Karpathy test JSON for mscoco/flickr30k, or the JSON list of "
+                        "sharegpt4v/dci")
+    g.add_argument("--encoding", default="utf-8",
+                   help="text encoding of the retrieval captions (--retrieval-file, Urban1k's "
+                        "caption/*.txt; default utf-8, e.g. latin-1); a byte not valid in it "
+                        "is an error naming the file and line")
     g.add_argument("--caption-prefix", default=None,
                    help="text put before every retrieval caption (default: 'a photo of ' for "
                         "mscoco/flickr30k as the original, nothing for JSONL)")
@@ -202,6 +213,7 @@ def parse_options(argv: Sequence[str] | None = None, retrieval: bool = False
     if not opts.dist_timeout > 0:
         raise EvalError(f"--dist-timeout must be > 0 seconds, got {opts.dist_timeout}")
     opts.prog = "text_image_retrieval.py" if retrieval else "zero_shot.py"
+    check_encoding(opts.encoding)
     if (opts.model_weight and opts.pretrained
             and str(opts.model_weight) != str(opts.pretrained)):
         raise EvalError(f"--model-weight {opts.model_weight} and --pretrained "
@@ -222,6 +234,8 @@ def _main(argv: Sequence[str] | None, retrieval: bool) -> int:
     from ..host_memory import configure_host_malloc
 
     opts = parse_options(argv, retrieval)
+    from ..ops import check_wkv_environment
+    check_wkv_environment()  # a mistyped kernel name stops here, on every device
     # the process is ours: on the CPU it keeps freed memory for the next batch's reuse
     configure_host_malloc(pick_device(opts.device or "auto", launch_environment()[2]))
     run(opts)

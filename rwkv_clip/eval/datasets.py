@@ -20,8 +20,10 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ..errors import DataError, DatasetNotFoundError, EvalError
+from ..text_files import read_text
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+UTF8_HINT = "save the file as UTF-8"  # templates and class names have no --encoding
 ORIGINAL_SEED = 3072  # the original zero_shot.py passes seed=3072 to every loader
 # The original seeded SUN397's random_split with 3072 + hash("sun397") % 2048, which
 # changes with every Python process (salted string hashing); crc32 over a sorted file
@@ -61,7 +63,7 @@ def load_templates(path: str | os.PathLike, dataset: str | None = None) -> list[
     path = Path(path)
     if not path.is_file():
         raise EvalError(f"templates file {path} does not exist")
-    text = path.read_text("utf-8")
+    text = read_text(path, hint=UTF8_HINT)
     templates: Any
     if path.suffix.lower() == ".json":
         try:
@@ -182,7 +184,7 @@ def read_classnames_file(path: Path, folders: list[str]) -> list[str]:
     """``classnames.json``: a list aligned with the sorted class folders, or an object
     mapping folder name -> class name."""
     try:
-        data = json.loads(path.read_text("utf-8"))
+        data = json.loads(read_text(path, hint=UTF8_HINT))
     except json.JSONDecodeError as exc:
         raise EvalError(f"{path}: not valid JSON ({exc})") from None
     if isinstance(data, dict):

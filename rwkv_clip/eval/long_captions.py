@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from ..errors import DataError
+from ..text_files import check_caption, read_text
 from ..tokenizer import fit_context_length, tokenize
 
 TIE_TOLERANCE = 1e-6  # scores this close count as one (identical texts, GEMM rounding)
@@ -49,12 +51,18 @@ def group_recall(image_features: torch.Tensor, text_features: torch.Tensor,
             "chance": float(torch.cat(chance).mean())}
 
 
-def read_group_file(path: str | os.PathLike) -> list[dict]:
-    """``[{"image": path relative to the file, "caption": str, "group": int}, ...]``."""
-    with open(path, encoding="utf-8") as f:
-        entries = json.load(f)
+def read_group_file(path: str | os.PathLike, encoding: str = "utf-8") -> list[dict]:
+    """``[{"image": path relative to the file, "caption": str, "group": int}, ...]``
+    (text in ``encoding``; a bad byte or an empty caption is a one-line error naming the
+    file and line or entry, as for every caption reader)."""
+    try:
+        entries = json.loads(read_text(path, encoding))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"not valid JSON ({exc})", str(path)) from None
     base = os.path.dirname(os.path.abspath(path))
-    return [dict(e, image=os.path.join(base, e["image"])) for e in entries]
+    return [dict(e, image=os.path.join(base, e["image"]),
+                 caption=check_caption(e.get("caption"), f"{path} entry {i}"))
+            for i, e in enumerate(entries)]
 
 
 @torch.no_grad()

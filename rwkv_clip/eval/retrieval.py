@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DatasetNotFoundError, EvalError
+from ..text_files import check_caption, read_text
 from .common import encode_images_gathered, encode_texts
 from .datasets import ImageListDataset
 from .distributed import DistInfo, current, fail_together, gather_rows, shard_range
@@ -63,9 +64,10 @@ class RetrievalSet:
         return len(self.image_paths)
 
 
-def _records_from_file(path: Path) -> list[tuple[str, list[str]]]:
-    """(image, captions) records from a JSONL, Karpathy-test list or Karpathy dataset file."""
-    text = path.read_text("utf-8")
+def _records_from_file(path: Path, encoding: str = "utf-8") -> list[tuple[str, list[str]]]:
+    """(image, captions) records from a JSONL, Karpathy-test list or Karpathy dataset file
+    (text in ``encoding``)."""
+    text = read_text(path, encoding)
     records: list[tuple[str, list[str]]] = []
     if path.suffix.lower() == ".jsonl":
         for lineno, line in enumerate(text.splitlines(), 1):
@@ -86,7 +88,9 @@ def _records_from_file(path: Path) -> list[tuple[str, list[str]]]:
             if img.get("split") != "test":
                 continue
             rel = os.path.join(img.get("filepath", ""), img["filename"])
-            caps = [s["raw"] if isinstance(s, dict) else str(s) for s in img.get("sentences", [])]
+            where = f"{path} image {rel}"
+            caps = [check_caption(s.get("raw") if isinstance(s, dict) else s, where)
+                    for s in img.get("sentences", [])]
             records.append((rel, caps))
         if not records:
             raise EvalError(f"{path}: no images with split 'test'")
@@ -101,7 +105,7 @@ def _conversation_captions(turns, where: str) -> list[str]:
     """ShareGPT4V's ``conversations``: the answers (``"from": "gpt"``) are the captions."""
     if not isinstance(turns, list):
         raise EvalError(f"{where}: 'conversations' must be a list of {{from, value}} turns")
-    caps = [t["value"].strip() for t in turns if isinstance(t, dict)
+    caps = [check_caption(t["value"], where) for t in turns if isinstance(t, dict)
             and t.get("from") in ("gpt", "assistant") and isinstance(t.get("value"), str)]
     if not caps:
         raise EvalError(f"{where}: 'conversations' holds no answer (a turn with \"from\": "
@@ -124,7 +128,7 @@ def _record(obj, where: str) -> tuple[str, list[str]]:
     if not isinstance(caps, list) or not caps or not all(isinstance(c, str) for c in caps):
         raise EvalError(f"{where}: 'captions' must be a non-empty list of strings (or 'raw' "
                         "a caption string)")
-    return str(obj["image"]), caps
+    return str(obj["image"]), [check_caption(c, where) for c in caps]
 
 
 def _merge_by_image(records: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
@@ -149,15 +153,16 @@ def _resolve_image(rel: str, roots: Sequence[Path]) -> str | None:
 
 def load_retrieval_file(path: str | os.PathLike, image_root: str | os.PathLike | None = None,
                         name: str | None = None, caption_prefix: str = "",
-                        image_dirs: Sequence[str] = (".",)) -> RetrievalSet:
-    """Read an annotation file; images are looked up under ``image_root`` (default: the
-    file's folder) and its ``image_dirs`` sub-folders."""
+                        image_dirs: Sequence[str] = (".",),
+                        encoding: str = "utf-8") -> RetrievalSet:
+    """Read an annotation file (text in ``encoding``); images are looked up under
+    ``image_root`` (default: the file's folder) and its ``image_dirs`` sub-folders."""
     path = Path(path)
     if not path.is_file():
         raise DatasetNotFoundError(f"retrieval file {path} does not exist")
     root = Path(image_root) if image_root is not None else path.parent
     roots = [root / d for d in image_dirs]
-    records = _merge_by_image(_records_from_file(path))
+    records = _merge_by_image(_records_from_file(path, encoding))
     if not records:
         raise EvalError(f"{path}: no records")
     images: list[str] = []
@@ -174,9 +179,10 @@ def load_retrieval_file(path: str | os.PathLike, image_root: str | os.PathLike |
     return RetrievalSet(name or path.stem, images, captions, t2i)
 
 
-def load_caption_folder(root: str | os.PathLike, name: str = "urban1k") -> RetrievalSet:
+def load_caption_folder(root: str | os.PathLike, name: str = "urban1k",
+                        encoding: str = "utf-8") -> RetrievalSet:
     """Urban1k's layout: ``root/image/X.jpg`` with ``root/caption/X.txt`` (the caption,
-    UTF-8), pairs matched by file stem in sorted order; ``root`` may also hold
+    in ``encoding``), pairs matched by file stem in sorted order; ``root`` may also hold
     ``Urban1k/``. An image without a caption file, or the reverse, is an error."""
     root = Path(root)
     if not (root / "caption").is_dir() and (root / "Urban1k" / "caption").is_dir():
@@ -198,39 +204,36 @@ def load_caption_folder(root: str | os.PathLike, name: str = "urban1k") -> Retri
     if not images:
         raise EvalError(f"{root}/image: no images")
     stems = sorted(images)
-    captions = []
-    for s in stems:
-        text = texts[s].read_text("utf-8").strip()
-        if not text:
-            raise EvalError(f"{texts[s]}: empty caption")
-        captions.append(text)
+    captions = [check_caption(read_text(texts[s], encoding), str(texts[s])) for s in stems]
     return RetrievalSet(name, [str(images[s]) for s in stems], captions, list(range(len(stems))))
 
 
 def build_retrieval_set(name: str, data_root: str | os.PathLike | None = None,
                         retrieval_file: str | os.PathLike | None = None,
-                        caption_prefix: str | None = None) -> RetrievalSet:
+                        caption_prefix: str | None = None,
+                        encoding: str = "utf-8") -> RetrievalSet:
     """``mscoco``/``coco``, ``flickr30k``/``flickr`` (annotation found under
-    ``data_root`` unless ``retrieval_file`` is given) or ``jsonl`` (``retrieval_file``,
-    images relative to ``data_root`` or the file's folder)."""
+    ``data_root`` unless ``retrieval_file`` is given), ``urban1k`` (``data_root``),
+    ``sharegpt4v``/``dci`` or ``jsonl`` (``retrieval_file``, images relative to
+    ``data_root`` or the file's folder). Caption files are read in ``encoding``."""
     key = RETRIEVAL_ALIASES.get(name.lower(), name.lower())
     if key == "urban1k":
         if data_root is None:
             raise EvalError("retrieval set 'urban1k' needs --data-root. Expected layout:\n    "
                             + CAPTION_FOLDER_LAYOUT.format(root="<data-root>").replace(
                                 "\n", "\n    "))
-        return load_caption_folder(data_root, key)
+        return load_caption_folder(data_root, key, encoding)
     if key in JSON_SETS:
         if retrieval_file is None:
             raise EvalError(f"--dataset {name} needs --retrieval-file FILE.json (a list of "
                             '{"image": path, "conversations": [...]} or {"image", "caption"})')
         return load_retrieval_file(retrieval_file, data_root, name=key,
-                                   caption_prefix=caption_prefix or "")
+                                   caption_prefix=caption_prefix or "", encoding=encoding)
     if key in FILE_SETS:
         if retrieval_file is None:
             raise EvalError(f"--dataset {name} needs --retrieval-file FILE.jsonl")
         return load_retrieval_file(retrieval_file, data_root, name="jsonl" if key == "jsonl" else key,
-                                   caption_prefix=caption_prefix or "")
+                                   caption_prefix=caption_prefix or "", encoding=encoding)
     if key not in ANNOTATION_CANDIDATES:
         raise EvalError(f"unknown retrieval dataset {name!r}: choose mscoco, flickr30k, "
                         "urban1k, sharegpt4v, dci or jsonl")
@@ -252,7 +255,7 @@ def build_retrieval_set(name: str, data_root: str | os.PathLike | None = None,
             f"retrieval set {key!r} not found under --data-root {root}. Expected layout:\n    "
             + RETRIEVAL_LAYOUTS[key].format(root=root).replace("\n", "\n    "))
     return load_retrieval_file(ann, root, name=key, caption_prefix=prefix,
-                               image_dirs=IMAGE_DIR_CANDIDATES[key])
+                               image_dirs=IMAGE_DIR_CANDIDATES[key], encoding=encoding)
 
 
 @torch.no_grad()

@@ -254,7 +254,7 @@ def _run(opts, info: DistInfo, watch: faults.PeerWatch | None = None) -> list[di
                 info, log=lambda msg: log(info, msg))
         else:
             rset = build_retrieval_set(name, opts.data_root, opts.retrieval_file,
-                                       opts.caption_prefix)
+                                       opts.caption_prefix, getattr(opts, "encoding", "utf-8"))
             log(info, f"{rset.name}: {rset.num_images} images, {len(rset.captions)} captions; "
                       f"{protocol(name)}")
             metrics = evaluate_retrieval(model, rset, eval_transform(name, size), **common)

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..config import INPUT_SIZE_FLAGS
+from ..config import INPUT_SIZE_FLAGS, TOWER_KEYS, str2bool
 from ..errors import OneLineArgumentParser, TrainArgsError, run_cli
 from ..lora import BASE_PRECISIONS, DEFAULT_TARGETS, parse_targets
 from ..precision import canonical_precision
@@ -34,6 +34,9 @@ from .walk import parameter_table
 COMPARED_RANK = 16  # the LoRA rank of the comparison table without --lora-rank
 
 PROG = "python -m rwkv_clip.memory"
+# train.py's tower flags other than --input-size (above), each overriding its config key
+_BOOL_KEYS = ("image_output_cls_token", "image_with_cls_token", "text_initialization")
+CONFIG_KEYS = tuple(key for key in TOWER_KEYS if key != "input_size")
 
 
 class _Parser(OneLineArgumentParser):
@@ -82,7 +85,20 @@ def build_planner_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-base-precision", choices=BASE_PRECISIONS, default="fp32",
                    help="storage of the frozen base matrices")
     g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters")
+    g = ap.add_argument_group("model config (train.py's tower flags; default: the config's)")
+    for key in CONFIG_KEYS:
+        typ = str2bool if key in _BOOL_KEYS else float if key == "drop_path_rate" else int
+        g.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None,
+                       metavar="BOOL" if typ is str2bool else "N",
+                       help="text tokens per caption (train.py's --ctx-len)"
+                       if key == "ctx_len" else argparse.SUPPRESS)
     return ap
+
+
+def config_overrides(ns: argparse.Namespace) -> dict[str, Any]:
+    """The config keys given on the command line (--ctx-len 248 -> {"ctx_len": 248})."""
+    keys = ("input_size", *CONFIG_KEYS)
+    return {k: getattr(ns, k) for k in keys if getattr(ns, k, None) is not None}
 
 
 def finetune_of(ns: argparse.Namespace) -> FineTune | None:
@@ -125,11 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_planner_parser().parse_args(argv)
     _check(ns)
     precision = canonical_precision(ns.precision)
-    from ..config import load_model_configs, resolve_config_path
+    from ..config import ModelArgs, load_model_configs, resolve_config_path
     config = str(resolve_config_path(ns.config or "RWKV_CLIP_B32"))
     args = load_model_configs(config)
-    if ns.input_size is not None:
-        args = dataclasses.replace(args, input_size=ns.input_size)
+    overrides = config_overrides(ns)
+    if overrides:  # validated as train.py's (a bad value names its key)
+        args = ModelArgs.from_dict(dataclasses.asdict(args) | overrides, source="the flags")
     if ns.measure:
         from ..distributed import pick_device
         device = pick_device(ns.device or "auto").type

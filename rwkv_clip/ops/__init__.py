@@ -25,13 +25,38 @@ def reset_backend_override() -> None:
     build.reset_env_overrides()
 
 
+def check_wkv_environment() -> None:
+    """``RWKV_CLIP_WKV_BACKEND`` and ``RWKV_CLIP_WKV_CUDA_VARIANT`` name known choices: a
+    :class:`WKVError` naming the allowed ones otherwise, on every device (a CUDA variant
+    mistyped on a CPU machine is an error there too, not a surprise on the GPU)."""
+    choice = build.env_override(BACKEND_ENV_VAR)
+    if choice is not None and choice not in BACKENDS:
+        raise WKVError(f"unknown WKV backend {choice!r} (from {BACKEND_ENV_VAR}); expected "
+                       f"one of {', '.join(BACKENDS)}")
+    build.resolve_cuda_variant()
+
+
+def describe_wkv(device: torch.device | str, backend: str | None = None) -> str:
+    """The one line that says which WKV kernel runs on ``device``: the backend, and on
+    CUDA the variant (``WKV: cuda kernel, variant fast``)."""
+    check_wkv_environment()
+    chosen = resolve_backend(torch.device(device), backend)
+    if chosen == "cuda":
+        return (f"WKV: cuda kernel, variant {build.resolve_cuda_variant()} (choices: "
+                f"{BACKEND_ENV_VAR}, {build.CUDA_VARIANT_ENV_VAR})")
+    what = "pure-PyTorch reference" if chosen == "reference" else "cpu kernel"
+    return f"WKV: {what} (choice: {BACKEND_ENV_VAR})"
+
+
 def resolve_backend(device: torch.device, backend: str | None = None) -> str:
-    """Pick the backend for tensors on ``device``: argument, then env var, then device."""
+    """Pick the backend for tensors on ``device``: argument, then env var, then device.
+    The environment's backend and CUDA variant are checked here whatever the device."""
+    if not backend:
+        check_wkv_environment()
     choice = backend or build.env_override(BACKEND_ENV_VAR) or "auto"
     if choice not in BACKENDS:
-        source = "argument" if backend else BACKEND_ENV_VAR
-        raise WKVError(f"unknown WKV backend {choice!r} (from {source}); expected one of "
-                       f"{BACKENDS}")
+        raise WKVError(f"unknown WKV backend {choice!r} (from argument); expected one of "
+                       f"{', '.join(BACKENDS)}")
     if choice == "auto":
         return "cuda" if device.type == "cuda" else "cpu"
     if choice == "cuda" and device.type != "cuda":
@@ -122,5 +147,6 @@ def wkv6_bidirectional(r, k, v, w, u, backend: str | None = None) -> torch.Tenso
     return kernels.run_native(chosen, r, k, v, w, u)
 
 
-__all__ = ["BACKENDS", "BACKEND_ENV_VAR", "WKVError", "check_inputs", "reset_backend_override",
+__all__ = ["BACKENDS", "BACKEND_ENV_VAR", "WKVError", "check_inputs", "check_wkv_environment",
+           "describe_wkv", "reset_backend_override",
            "prepare_wkv_kernel", "resolve_backend", "wkv6_bidirectional", "wkv6_bidirectional_reference"]

@@ -73,10 +73,13 @@ def reset_env_overrides() -> None:
 
 
 def resolve_cuda_variant(variant: str | None = None) -> str:
+    """The CUDA WKV kernel: ``variant``, else ``$RWKV_CLIP_WKV_CUDA_VARIANT``, else the
+    default; an unknown name is a :class:`WKVError` naming the allowed ones."""
     choice = variant or env_override(CUDA_VARIANT_ENV_VAR) or DEFAULT_CUDA_VARIANT
     if choice not in CUDA_VARIANTS + TRITON_CUDA_VARIANTS:
-        raise WKVError(f"rwkv_clip: unknown CUDA WKV variant {choice!r}; expected one of "
-                     f"{CUDA_VARIANTS + TRITON_CUDA_VARIANTS}")
+        source = "argument" if variant else CUDA_VARIANT_ENV_VAR
+        raise WKVError(f"unknown CUDA WKV variant {choice!r} (from {source}); expected one of "
+                       f"{', '.join(CUDA_VARIANTS + TRITON_CUDA_VARIANTS)}")
     return choice
 
 

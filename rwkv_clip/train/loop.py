@@ -43,7 +43,7 @@ from ..factory import build_model
 from ..lora import LoraSettings, add_adapters, parameter_counts
 from ..loss import ClipLoss, SigLipLoss
 from ..model import get_model
-from ..ops import prepare_wkv_kernel
+from ..ops import check_wkv_environment, describe_wkv, prepare_wkv_kernel
 from ..precision import get_precision
 from ..pretrained import load_weights
 from . import checkpoint as ckpt_io
@@ -208,6 +208,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
         log.info(host_memory.describe(malloc_choice))
     # says so before a first-use compile, which then overlaps the model and data set-up
     kernel_ready = prepare_wkv_kernel(info.device, log.info, background=True)
+    log.info(describe_wkv(info.device))
     try:
         model = build_train_model(args, info, log)
         data = prepare_data(args, info, log)
@@ -818,6 +819,7 @@ def cli(argv=None) -> int:
 
     def run() -> int:
         args = parse_args(argv)
+        check_wkv_environment()  # a mistyped kernel name stops here, before any set-up
         # the process is ours: on the CPU it keeps freed memory for the next step's reuse
         host_memory.configure_host_malloc(pick_device(args.device, launch_environment()[2]))
         main(args)  # the summary dict is for library callers
