@@ -59,7 +59,11 @@ def test_the_first_wkv_call_checks_the_cuda_variant_on_the_cpu(monkeypatch):
         monkeypatch.setenv(CUDA_VARIANT_ENV_VAR, "faithful")
         reset_backend_override()
         assert wkv6_bidirectional(r, k, v, w, u, backend="reference").shape == (1, 3, 4)
-        assert describe_wkv("cpu") == f"WKV: cpu kernel (choice: {BACKEND_ENV_VAR})"
+        from rwkv_clip.cpu_isa import cpu_info
+        from rwkv_clip.ops import build
+        assert describe_wkv("cpu") == (f"WKV: cpu kernel {build.cpu_kernel_name()} on "
+                                       f"{cpu_info().describe()} (choice: {BACKEND_ENV_VAR})")
+        assert "rwkv_clip_wkv6_cpu_" in describe_wkv("cpu")
         assert describe_wkv("cpu", "reference").startswith("WKV: pure-PyTorch reference")
     finally:
         monkeypatch.delenv(CUDA_VARIANT_ENV_VAR)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..cpu_isa import cpu_info
 from ..errors import WKVError
 from . import build, cache, kernels
 from .reference import wkv6_bidirectional_reference
@@ -44,8 +45,10 @@ def describe_wkv(device: torch.device | str, backend: str | None = None) -> str:
     if chosen == "cuda":
         return (f"WKV: cuda kernel, variant {build.resolve_cuda_variant()} (choices: "
                 f"{BACKEND_ENV_VAR}, {build.CUDA_VARIANT_ENV_VAR})")
-    what = "pure-PyTorch reference" if chosen == "reference" else "cpu kernel"
-    return f"WKV: {what} (choice: {BACKEND_ENV_VAR})"
+    if chosen == "reference":
+        return f"WKV: pure-PyTorch reference (choice: {BACKEND_ENV_VAR})"
+    return (f"WKV: cpu kernel {build.cpu_kernel_name()} on {cpu_info().describe()} "
+            f"(choice: {BACKEND_ENV_VAR})")
 
 
 def resolve_backend(device: torch.device, backend: str | None = None) -> str:
