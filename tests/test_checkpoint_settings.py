@@ -28,7 +28,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("settings")
     rec = make_tiny_rec(root / "data", n=16)
     result = main(parse_args(tiny_argv(root / "run", rec, "--ctx-len", str(CTX),
-                                       "--input-size", str(SIZE))))
+                                       "--input-size", str(SIZE), "--max-steps", "1")))
     (root / "images").mkdir()
     with open(root / "pairs.jsonl", "w") as f:
         for name, colour in COLOURS.items():
@@ -98,6 +98,7 @@ def test_text_image_retrieval_uses_the_trained_settings(trained, tmp_path, capsy
     assert (record["ctx_len"], record["input_size"]) == (CTX, SIZE)
 
 
+@pytest.mark.slow
 def test_onnx_export_takes_the_trained_context_length(trained, tmp_path, capsys):
     from rwkv_clip.export import main
     from rwkv_clip.onnx import OnnxCLIP
