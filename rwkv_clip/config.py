@@ -386,6 +386,13 @@ def overriding_note(args: ModelArgs, trained: ModelArgs, keys: list[str],
             + " (the weights were trained at the checkpoint's)")
 
 
+def kept_settings_note(args: ModelArgs, weights: Any) -> str | None:
+    """One line for the settings of a model built at ``args`` that contradict those
+    ``weights`` were trained with (:func:`overriding_note`); None when none does."""
+    saved = list(getattr(weights, "settings", None) or ())
+    return overriding_note(args, with_checkpoint_settings(args, weights, ""), saved)
+
+
 def folder_config(args: ModelArgs, config: str | Path) -> dict[str, Any]:
     """The model config an exported folder holds: ``config``'s JSON (its key order and
     run keys) with every model key where ``args`` differs from it set to ``args``'

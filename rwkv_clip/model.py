@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint_files import load_checked
-from .config import ModelArgs, complete_args, overriding_note, with_checkpoint_settings
+from .config import ModelArgs, complete_args, kept_settings_note, with_checkpoint_settings
 from .image_rwkv import Image_RWKV
 from .layers.time_mix import TimeMixBase
 from .pretrained import load_weights
@@ -109,13 +109,10 @@ def create_RWKV_Model(args: Any, model_weight_path: str | os.PathLike | None = N
     weights = None
     if model_weight_path is not None:
         weights = load_weights(model_weight_path, map_location=map_location)
-        trained = with_checkpoint_settings(args, weights, "args", None)
         if checkpoint_settings:
             args = with_checkpoint_settings(args, weights, "args", _say)
-        else:
-            note = overriding_note(args, trained, list(weights.settings or ()))
-            if note:
-                _say(note)
+        elif note := kept_settings_note(args, weights):
+            _say(note)
     image_tower = Image_RWKV.from_args(args)  # image first: the original's random-draw order
     text_tower = Text_RWKV(args)
     model = get_model(image_tower, text_tower, image_cls_token=args.image_output_cls_token)
@@ -139,10 +136,7 @@ def load_model_weight(model: nn.Module, model_weight: str | os.PathLike,
     """
     weights = load_weights(model_weight, map_location=map_location)
     built = getattr(getattr(model, "text_model", None), "args", None)
-    if isinstance(built, ModelArgs) and weights.settings:
-        note = overriding_note(built, with_checkpoint_settings(built, weights, "", None),
-                               list(weights.settings))
-        if note:
-            _say(note)
+    if isinstance(built, ModelArgs) and (note := kept_settings_note(built, weights)):
+        _say(note)
     load_checked(model, weights)
     return model

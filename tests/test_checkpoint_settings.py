@@ -37,7 +37,7 @@ def trained(tmp_path_factory):
             f.write(json.dumps({"image": f"images/{name}.png",
                                 "captions": [f"a {name} square", f"{name} on white"]}) + "\n")
     return {"checkpoint": Path(result["checkpoint"]), "jsonl": root / "pairs.jsonl",
-            "root": root}
+            "root": root, "rec": rec}
 
 
 def zero_shot(*args):
@@ -178,6 +178,32 @@ def test_python_loaders_use_the_trained_settings(trained, capsys):
         "RWKV_CLIP_tiny", pretrained=str(trained["checkpoint"]))
     assert model.text_model.args.ctx_len == CTX
     assert preprocess(Image.new("RGB", (40, 30))).shape == (3, SIZE, SIZE)
+
+
+def test_loading_into_a_built_model_keeps_it_and_says_so(trained, capsys):
+    import rwkv_clip
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from train_util import tiny_model
+
+    model = rwkv_clip.load_model_weight(tiny_model(), trained["checkpoint"])
+    assert model.text_model.args.ctx_len == 77
+    assert (f"input_size 16 overrides the checkpoint's input_size {SIZE}; ctx_len 77 "
+            f"overrides the checkpoint's ctx_len {CTX}") in capsys.readouterr().out
+
+
+def test_fine_tuning_at_another_length_says_so(trained, tmp_path):
+    """train.py --pretrained CHECKPOINT --ctx-len 32: the weights' 24 tokens are named."""
+    from train_util import tiny_argv
+
+    from rwkv_clip.train import main, parse_args
+
+    main(parse_args(tiny_argv(tmp_path / "run", trained["rec"], "--pretrained",
+                              str(trained["checkpoint"]), "--ctx-len", "32", "--input-size",
+                              str(SIZE), "--max-steps", "1")))
+    log = (tmp_path / "run" / "training.log").read_text()
+    assert f"ctx_len 32 overrides the checkpoint's ctx_len {CTX}" in log
+    assert "input_size" not in log.split("overrides")[1].splitlines()[0]  # the same size
 
 
 def test_a_bare_state_dict_behaves_as_before(tmp_path, capsys):
