@@ -4,6 +4,7 @@ keys, and the strict check of a state dict against a model."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 from collections.abc import Callable
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from . import lora
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's
 
@@ -84,11 +85,22 @@ def read_state_dict(path: str | os.PathLike, map_location=None,
     checkpoints (``{"state_dict": ...}`` / ``{"model": ...}``). The adapters of a LoRA
     training checkpoint are merged into plain weights (:mod:`rwkv_clip.lora`); with
     ``merge_lora=False`` such a checkpoint is an error."""
+    return read_checkpoint(path, map_location, merge_lora).tensors
+
+
+def read_checkpoint(path: str | os.PathLike, map_location=None, merge_lora: bool = True,
+                    label: str | None = None) -> StateDict:
+    """:func:`read_state_dict`'s weights with what the file says of their training: the
+    model settings (:func:`saved_model_settings`) and the run's arguments. ``label``
+    names the weights in messages (default: the path)."""
     path = Path(path)
+    label = label or str(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if path.suffix.lower() == ".safetensors":
-        return strip_prefixes(_read_safetensors(path, map_location))
+        tensors, metadata = _read_safetensors(path, map_location)
+        return StateDict(strip_prefixes(tensors), label,
+                         settings=safetensors_settings(metadata, f"checkpoint {path}"))
     outer = obj = load_torch_file(path, map_location)
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
@@ -96,24 +108,83 @@ def read_state_dict(path: str | os.PathLike, map_location=None,
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"checkpoint {path} does not hold a state dict of tensors")
     state = strip_prefixes(obj)
+    run_args = saved_run_args(outer)
     if lora.has_adapters(state):
         if not merge_lora:
             raise CheckpointError(f"checkpoint {path} holds LoRA adapters: merge them into "
                                   "plain weights (python -m rwkv_clip.export --merge-lora)")
-        settings = lora.settings_from_checkpoint(outer, f"checkpoint {path}")
+        settings = lora.settings_from_args(run_args, f"checkpoint {path}")
         state = lora.merge_state_dict(state, settings, f"checkpoint {path}")
-    return state
+    return StateDict(state, label, settings=saved_model_settings(outer, f"checkpoint {path}"),
+                     run_args=run_args)
 
 
-def _read_safetensors(path: Path, map_location=None) -> dict[str, torch.Tensor]:
+def saved_run_args(obj: Any) -> dict[str, Any] | None:
+    """The training arguments a training checkpoint of ours holds (``train.py``'s
+    namespace as a dict, under ``"args"``); None for a bare state dict."""
+    args = obj.get("args") if isinstance(obj, dict) else None
+    return args if isinstance(args, dict) else None
+
+
+def saved_model_settings(obj: Any, source: str) -> dict[str, Any] | None:
+    """The model settings (:data:`rwkv_clip.config.MODEL_KEYS`) a training checkpoint was
+    trained with: its ``"model_config"``, else the config keys of its ``"args"``; None for
+    a bare state dict. A key that is no config key in ``"model_config"``, or a value of the
+    wrong type or range, is an error naming it: nothing is dropped unsaid."""
+    from .config import MODEL_KEYS, check_fields
+
+    if not isinstance(obj, dict):
+        return None
+    config, args = obj.get("model_config"), saved_run_args(obj)
+    if isinstance(config, dict):
+        params, where = dict(config), "saved model_config"
+    elif args is not None:
+        params = {k: v for k, v in args.items() if k in MODEL_KEYS and v is not None}
+        where = "saved args"
+    else:
+        return None
     try:
+        checked = check_fields(params, f"{source}'s {where}")
+    except ConfigError as exc:
+        raise CheckpointError(f"{exc} (the model settings it was trained with)") from None
+    settings = {k: v for k, v in checked.items() if k in MODEL_KEYS}
+    return settings or None
+
+
+SETTINGS_METADATA_KEY = "rwkv_clip.model_settings"  # a .safetensors header's metadata
+
+
+def safetensors_settings(metadata: dict[str, str] | None, source: str) -> dict[str, Any] | None:
+    """The model settings an exported ``.safetensors`` records in its header (JSON under
+    :data:`SETTINGS_METADATA_KEY`); None when it records none."""
+    text = (metadata or {}).get(SETTINGS_METADATA_KEY)
+    if text is None:
+        return None
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{source}: its {SETTINGS_METADATA_KEY} metadata is not JSON "
+                              f"({exc})") from None
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{source}: its {SETTINGS_METADATA_KEY} metadata is not a JSON "
+                              "object of model settings")
+    return saved_model_settings({"model_config": params}, source)
+
+
+def _read_safetensors(path: Path, map_location=None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """The tensors of a ``.safetensors`` file and its header's metadata."""
+    try:
+        from safetensors import safe_open
         from safetensors.torch import load_file
     except ImportError:
         raise CheckpointError(f"checkpoint {path}: reading .safetensors needs the safetensors "
                               "package (pip install safetensors)") from None
     device = str(map_location) if map_location is not None else "cpu"
     try:
-        return load_file(str(path), device=device)
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata()
+        return load_file(str(path), device=device), metadata
     except Exception as exc:  # safetensors raises its own error types for bad headers
         raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}. "
                               "Expected a safetensors file of RWKV-CLIP's state dict") from None
@@ -155,6 +226,9 @@ class StateDict:
     tensors: dict[str, torch.Tensor]
     label: str
     config: str | None = None  # the shipped config it was published for, if known
+    # the model settings it was trained with (config keys), if the file records them
+    settings: dict[str, Any] | None = None
+    run_args: dict[str, Any] | None = None  # a training checkpoint's train.py arguments
 
 
 POS_EMBED_KEY = "image_model.pos_embed"
@@ -194,9 +268,12 @@ DDP_PREFIX = "module."
 
 
 def save_state_dict(state: dict[str, torch.Tensor], out: str | os.PathLike,
-                    ddp_prefix: bool = False) -> str:
+                    ddp_prefix: bool = False,
+                    settings: dict[str, Any] | None = None) -> str:
     """Write ``state`` to ``out`` (``.safetensors`` or a ``torch.save`` file); returns
-    the file's sha256."""
+    the file's sha256. A ``.safetensors`` records ``settings`` (model config keys) in its
+    header, where :func:`read_checkpoint` finds them; a ``.pt`` holds the bare state dict
+    the original's loader expects."""
     out = Path(out)
     if ddp_prefix:
         state = {DDP_PREFIX + k: v for k, v in state.items()}
@@ -209,7 +286,10 @@ def save_state_dict(state: dict[str, torch.Tensor], out: str | os.PathLike,
             raise CheckpointError("writing .safetensors needs the safetensors package "
                                   "(pip install safetensors)") from None
         # safetensors refuses tensors that share storage: give each its own
-        save_file({k: v.clone() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+        metadata = {"format": "pt"}
+        if settings:
+            metadata[SETTINGS_METADATA_KEY] = json.dumps(settings)
+        save_file({k: v.clone() for k, v in state.items()}, str(tmp), metadata=metadata)
         # safetensors writes its file 0600; a file to publish gets a new file's usual mode
         # (0644 under the common umask 022), as torch.save's .pt does
         umask = os.umask(0)

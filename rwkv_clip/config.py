@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -181,6 +181,11 @@ class ModelArgs:
 
 
 KEYS = tuple(f.name for f in fields(ModelArgs))
+# Keys that say how a run computes rather than what the model is (a checkpoint's are the
+# run's; evaluation and export choose their own).
+RUN_KEYS = ("precision", "with_cp", "workers", "data_type")
+# The model settings a checkpoint carries to evaluation and export (every other key).
+MODEL_KEYS = tuple(k for k in KEYS if k not in RUN_KEYS)
 TEXT_REQUIRED = ("n_layer", "n_embd")
 IMAGE_REQUIRED = ("input_size", "image_depth", "image_embed_dims", "image_patch_size",
                   "image_num_heads")
@@ -325,6 +330,78 @@ def read_config_json(config_path: str | Path) -> tuple[dict[str, Any], Path]:
     if not isinstance(params, dict):
         raise ConfigError(f"model config {path}: expected a JSON object of settings")
     return params, path
+
+
+def check_fields(params: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``params`` with every key known and every value of its field's type and range
+    (floats for ints where the field is a float); a partial set is fine, the cross-field
+    rules are :class:`ModelArgs`'s."""
+    metas = {f.name: f.metadata for f in fields(ModelArgs)}
+    out = {}
+    for key, value in params.items():
+        if key not in metas:
+            raise ConfigError(_unknown_key_message(key, source))
+        out[key] = _check_value(key, value, metas[key], source)
+    return out
+
+
+def differing_keys(args: ModelArgs, other: ModelArgs,
+                   keys: tuple[str, ...] = MODEL_KEYS) -> list[str]:
+    """The ``keys`` whose values differ between two validated configs, in field order."""
+    return [k for k in keys if getattr(args, k) != getattr(other, k)]
+
+
+def describe_settings(args: ModelArgs, keys: list[str]) -> str:
+    """``ctx_len 192, input_size 24``."""
+    return ", ".join(f"{k} {getattr(args, k)}" for k in keys)
+
+
+def with_checkpoint_settings(args: ModelArgs, weights: Any, name: str,
+                             log: Callable[[str], None] | None = None) -> ModelArgs:
+    """``args`` (of the config ``name``) with the model settings ``weights`` (a
+    :class:`rwkv_clip.checkpoint_files.StateDict`, or None) were trained with on top; one
+    line through ``log`` names those that differ from ``name``'s."""
+    saved = dict(getattr(weights, "settings", None) or {})
+    if not saved:
+        return args
+    merged = ModelArgs.from_dict(apply_overrides(args.to_dict(), saved),
+                                 source=f"the model settings saved in {weights.label}")
+    differ = differing_keys(merged, args, tuple(saved))
+    if differ and log is not None:
+        log(f"model settings: {describe_settings(merged, differ)} from the checkpoint "
+            f"{weights.label} ({name} has {describe_settings(args, differ)})")
+    return merged
+
+
+def overriding_note(args: ModelArgs, trained: ModelArgs, keys: list[str],
+                    as_flags: bool = False) -> str | None:
+    """One line for the ``keys`` where ``args`` (what the user asked for) contradicts the
+    settings the weights were trained with (``trained``); None when none does."""
+    differ = [k for k in differing_keys(args, trained) if k in keys]
+    if not differ:
+        return None
+    name = (lambda k: "--" + k.replace("_", "-")) if as_flags else (lambda k: k)
+    return ("; ".join(f"{name(k)} {getattr(args, k)} overrides the checkpoint's {k} "
+                      f"{getattr(trained, k)}" for k in differ)
+            + " (the weights were trained at the checkpoint's)")
+
+
+def kept_settings_note(args: ModelArgs, weights: Any) -> str | None:
+    """One line for the settings of a model built at ``args`` that contradict those
+    ``weights`` were trained with (:func:`overriding_note`); None when none does."""
+    saved = list(getattr(weights, "settings", None) or ())
+    return overriding_note(args, with_checkpoint_settings(args, weights, ""), saved)
+
+
+def folder_config(args: ModelArgs, config: str | Path) -> dict[str, Any]:
+    """The model config an exported folder holds: ``config``'s JSON (its key order and
+    run keys) with every model key where ``args`` differs from it set to ``args``'
+    value."""
+    params = read_config_json(config)[0]
+    base = ModelArgs.from_dict(params, source=f"model config {config}")
+    out = dict(params)
+    out.update({k: getattr(args, k) for k in differing_keys(args, base)})
+    return out
 
 
 def load_model_configs(config_path: str | Path) -> ModelArgs:

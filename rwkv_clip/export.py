@@ -9,41 +9,56 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .checkpoint_files import save_state_dict
-from .errors import CheckpointError, ConfigError, OneLineArgumentParser, run_cli
+from .config import INPUT_SIZE_FLAGS, MODEL_KEYS, ModelArgs, differing_keys, read_config_json
+from .errors import CheckpointError, OneLineArgumentParser, run_cli
+
+
+@dataclass(frozen=True)
+class ExportedWeights:
+    """What is exported: the state dict (the model's key order and dtypes), the model
+    settings it is exported at, the config they were chosen from (name or path) and the
+    training arguments a training checkpoint holds."""
+
+    state: dict[str, torch.Tensor]
+    args: ModelArgs
+    config: str
+    run_args: dict[str, Any] | None = None
 
 
 def export_state_dict(checkpoint: str | os.PathLike, config: str | None = None,
-                      merge_lora: bool = False) -> tuple[dict[str, torch.Tensor], str]:
-    """``(state dict in the model's key order and dtypes, config name or path)`` of
-    ``checkpoint`` (a file or a pretrained name); the config is inferred from the
-    parameter shapes unless given. A LoRA checkpoint needs ``merge_lora`` (its adapters
-    folded into the weights, :func:`rwkv_clip.lora.merge_state_dict`)."""
-    from .checkpoint_files import check_state_dict
-    from .config import load_model_configs
-    from .factory import fitting_config_hint, infer_config
+                      merge_lora: bool = False, overrides: Mapping[str, Any] | None = None,
+                      log: Callable[[str], None] | None = None) -> ExportedWeights:
+    """The weights of ``checkpoint`` (a file or a pretrained name) and their settings: the
+    config ``config``, else the one inferred from the parameter shapes, with a training
+    checkpoint's saved model settings and then ``overrides`` on top
+    (:func:`rwkv_clip.factory.choose_model_args`, which says through ``log`` where they
+    differ). A LoRA checkpoint needs ``merge_lora`` (its adapters folded into the
+    weights, :func:`rwkv_clip.lora.merge_state_dict`)."""
+    from .checkpoint_files import check_state_dict, fit_image_size
+    from .factory import choose_model_args, fitting_config_hint
     from .model import create_RWKV_Model
     from .pretrained import load_weights, model_config
 
     weights = load_weights(checkpoint, merge_lora=merge_lora)
-    state = weights.tensors
-    if config is not None:
-        config = model_config(config)
-    else:
-        config = weights.config or infer_config(state)
-    if config is None:
-        raise ConfigError(f"checkpoint {weights.label} matches none of the shipped configs: "
-                          "pass --config path/to/config.json")
+    args, name = choose_model_args(model_config(config) if config is not None else None,
+                                   weights, overrides, log)
     with torch.device("meta"):  # names, shapes and dtypes only; no memory, no init cost
-        model = create_RWKV_Model(load_model_configs(config))
-    check_state_dict(model, state, weights.label, hint=lambda: fitting_config_hint(state))
+        model = create_RWKV_Model(args)
+    state = fit_image_size(model, weights.tensors)
+    check_state_dict(model, state, weights.label,
+                     hint=lambda: fitting_config_hint(weights.tensors))
     expected = model.state_dict()
-    return {k: state[k].detach().to(expected[k].dtype).contiguous() for k in expected}, config
+    state = {k: state[k].detach().to(expected[k].dtype).contiguous() for k in expected}
+    return ExportedWeights(state, args, model_config(config) if config is not None else name,
+                           weights.run_args)
 
 
 FORMATS = ("pt", "safetensors", "onnx", "hub")
@@ -74,7 +89,17 @@ def build_export_parser() -> argparse.ArgumentParser:
                         "weights with its adapters merged in (W + alpha/r B A)")
     p.add_argument("--config", default=None, metavar="JSON|NAME",
                    help="model config the weights must fit (default: inferred from the "
-                        "parameter shapes among the shipped configs)")
+                        "parameter shapes among the shipped configs); a training "
+                        "checkpoint's saved model settings (context length, image size, "
+                        "...) override its keys")
+    p.add_argument("--ctx-len", type=int, default=None, metavar="TOKENS",
+                   help="context length to export at (the ONNX text encoder's input "
+                        "length, the folder's config; default: the checkpoint's, else the "
+                        "config's)")
+    p.add_argument(*INPUT_SIZE_FLAGS, dest="input_size", type=int, default=None,
+                   metavar="PX", help="image size to export at (the position embedding "
+                                      "is resized; default: the checkpoint's, else the "
+                                      "config's)")
     g = p.add_argument_group("onnx")
     g.add_argument("--normalize", action="store_true",
                    help="the encoders output L2-normalised features (default: raw, as "
@@ -136,20 +161,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .hub import card_records
 
         records = card_records(opts.checkpoint, opts.eval_json)
-    state, config = export_state_dict(opts.checkpoint, opts.config, opts.merge_lora)
+    overrides = {k: getattr(opts, k) for k in ("ctx_len", "input_size")
+                 if getattr(opts, k) is not None}
+    exported = export_state_dict(opts.checkpoint, opts.config, opts.merge_lora, overrides,
+                                 log=lambda msg: print(msg, flush=True))
+    state, config, args = exported.state, exported.config, exported.args
     count = sum(v.numel() for v in state.values())
     if fmt == "onnx":
         from .onnx_export import export_onnx_folder
 
-        return export_onnx_folder(state, config, out, opts.normalize, opts.verify)
+        return export_onnx_folder(state, args, config, out, opts.normalize, opts.verify)
     if fmt == "hub":
         from .hub import export_hub_folder
 
-        return export_hub_folder(state, config, out, opts.checkpoint, opts, records or [])
-    sha = save_state_dict(state, out, opts.ddp_prefix)
+        return export_hub_folder(exported, out, opts, records or [])
+    # a .safetensors records the settings in its header; a .pt is the bare state dict
+    changed = changed_settings(args, config)
+    sha = save_state_dict(state, out, opts.ddp_prefix,
+                          settings={k: getattr(args, k) for k in MODEL_KEYS})
     print(f"wrote {out}: {count:,} parameters in {len(state)} tensors (config {config}"
+          f", context {args.ctx_len} tokens, images {args.input_size} px"
           f"{', module. prefix' if opts.ddp_prefix else ''})\nsha256 {sha}", flush=True)
+    if changed and fmt == "pt":
+        flags = " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in changed)
+        print(f"{out} holds the weights only: load it with {flags} (or a config with "
+              f"those keys), as {config} has other values", flush=True)
     return 0
+
+
+def changed_settings(args: ModelArgs, config: str) -> list[str]:
+    """The model keys where ``args`` differs from the config ``config``."""
+    params = read_config_json(config)[0]
+    return differing_keys(args, ModelArgs.from_dict(params, source=f"model config {config}"))
 
 
 if __name__ == "__main__":

@@ -16,12 +16,15 @@ from .config import (
     ModelArgs,
     apply_overrides,
     available_configs,
+    differing_keys,
     load_model_configs,
+    overriding_note,
     read_config_json,
+    with_checkpoint_settings,
 )
 from .errors import CheckpointError, ConfigError
 from .model import create_RWKV_Model, get_model
-from .pretrained import load_config_input_size, load_weights, model_config
+from .pretrained import load_weights, model_config
 
 
 def build_model(args: Any, weights: StateDict | None = None, *, seed: int | None = None,
@@ -54,6 +57,7 @@ def infer_config(state_dict: Mapping[str, torch.Tensor],
     for name in available_configs():
         params = read_config_json(name)[0]
         try:
+            base = ModelArgs.from_dict(params, source=f"model config {name}")
             args = ModelArgs.from_dict(apply_overrides(params, overrides),
                                        source=f"model config {name}")
             with torch.device("meta"):
@@ -66,7 +70,7 @@ def infer_config(state_dict: Mapping[str, torch.Tensor],
         # SigLIP's logit_bias is the same for every config (check_state_dict adds it)
         shapes = {k: tuple(v.shape) for k, v in tensors.items() if k != "logit_bias"}
         if {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes:
-            changed = sum(params.get(k) != v for k, v in overrides.items())
+            changed = len(differing_keys(args, base, tuple(overrides)))
             matches.append((changed, name))
     return min(matches)[1] if matches else None
 
@@ -85,8 +89,14 @@ def choose_model_args(config: str | os.PathLike | None, weights: StateDict | Non
                       log: Callable[[str], None] | None = None) -> tuple[ModelArgs, str]:
     """The model settings and their config's name: ``config`` if given, else the config the
     published ``weights`` name, else the shipped config whose model fits the weights'
-    parameter shapes, else the default; ``overrides`` (config keys) apply on top."""
+    parameter shapes (and the settings they were trained with), else the default.
+
+    The model settings a training checkpoint records (``weights.settings``: its context
+    length, image size, every model key) override the config's keys, with one line
+    through ``log`` when they differ from them; ``overrides`` (config keys, the user's
+    flags) apply last, with one line for each that contradicts the checkpoint."""
     overrides = dict(overrides or {})
+    saved = dict(weights.settings or {}) if weights is not None else {}
     if config:
         params, path = read_config_json(str(config))
         name = Path(path).stem
@@ -94,20 +104,32 @@ def choose_model_args(config: str | os.PathLike | None, weights: StateDict | Non
         name = weights.config
         params = read_config_json(name)[0]
     elif weights is not None:
-        inferred = infer_config(weights.tensors, overrides)
+        inferred = infer_config(weights.tensors, {**saved, **overrides})
         if inferred is None:
             flags = " with the given architecture flags" if overrides else ""
             raise ConfigError(f"checkpoint {weights.label} matches none of the shipped configs "
                               f"{available_configs()}{flags}: pass --config path/to/config.json")
         name = inferred
         if log is not None:
-            log(f"config: {name} (inferred from the checkpoint's parameter shapes)")
+            how = "nearest the checkpoint's saved settings" if saved else \
+                "inferred from the checkpoint's parameter shapes"
+            log(f"config: {name} ({how})")
         params = read_config_json(name)[0]
     else:
         name = DEFAULT_CONFIG
         params = read_config_json(name)[0]
+    trained = with_checkpoint_settings(
+        ModelArgs.from_dict(params, source=f"model config {name}"), weights, name, log)
     source = f"model config {name}" + (" with the architecture flags" if overrides else "")
-    return ModelArgs.from_dict(apply_overrides(params, overrides), source=source), name
+    args = ModelArgs.from_dict(apply_overrides(trained.to_dict(), overrides), source=source)
+    note = overriding_note(args, trained, [k for k in overrides if k in saved], as_flags=True)
+    if note and log is not None:
+        log(note)
+    return args, name
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
 
 
 def create_model(model_name: str, pretrained: str | os.PathLike | None = None,
@@ -115,11 +137,15 @@ def create_model(model_name: str, pretrained: str | os.PathLike | None = None,
                  revision: str | None = None, cache_dir: str | os.PathLike | None = None,
                  seed: int | None = None) -> get_model:
     """RWKV-CLIP ``model_name`` (model name, config name or config path), with the
-    ``pretrained`` weights if given (tag, file or hf-hub name), on ``device``."""
-    args = load_model_configs(model_config(model_name))
+    ``pretrained`` weights if given (tag, file or hf-hub name), on ``device``. A training
+    checkpoint's model settings (context length, image size, ...) replace the config's,
+    with one printed line when they differ."""
+    config = model_config(model_name)
+    args = load_model_configs(config)
     weights = None
     if pretrained is not None:
         weights = load_weights(pretrained, model_name, revision=revision, cache_dir=cache_dir)
+        args = with_checkpoint_settings(args, weights, Path(config).stem, _say)
     return build_model(args, weights, seed=seed, wkv_backend=wkv_backend, device=device)
 
 
@@ -145,7 +171,7 @@ def create_model_and_transforms(model_name: str, pretrained: str | os.PathLike |
                                   revision=revision, cache_dir=cache_dir)
     model = create_model(model_name, pretrained, device, wkv_backend=wkv_backend,
                          revision=revision, cache_dir=cache_dir, seed=seed)
-    size = load_config_input_size(model_name)
+    size = int(model.text_model.args.input_size or 0)  # the checkpoint's, if it records one
     return model, image_transform(size, is_train=True), image_transform(size, is_train=False)
 
 

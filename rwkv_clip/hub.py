@@ -73,11 +73,13 @@ def write_config_files(out: Path, model_config: Mapping[str, Any], size: int) ->
                                             preprocess_config(size))}
 
 
-def write_weights(state: Mapping[str, torch.Tensor], path: Path) -> Path:
-    """``state`` as safetensors at ``path`` (safetensors' own writer makes files 0600)."""
+def write_weights(state: Mapping[str, torch.Tensor], path: Path,
+                  settings: Mapping[str, Any] | None = None) -> Path:
+    """``state`` as safetensors at ``path`` (safetensors' own writer makes files 0600),
+    recording the model ``settings`` in its header."""
     from .checkpoint_files import save_state_dict
 
-    save_state_dict(dict(state), path)
+    save_state_dict(dict(state), path, settings=dict(settings) if settings else None)
     os.chmod(path, FILE_MODE)
     return path
 
@@ -237,7 +239,10 @@ def write_hub_folder(state: Mapping[str, torch.Tensor], model_config: Mapping[st
     """Write the weights, configs and model card into ``out_dir``; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = {"weights": write_weights(state, out / WEIGHTS_FILE)}
+    from .config import MODEL_KEYS
+
+    settings = {k: v for k, v in model_config.items() if k in MODEL_KEYS}
+    written = {"weights": write_weights(state, out / WEIGHTS_FILE, settings)}
     written.update(write_config_files(out, model_config, int(model_config["input_size"])))
     written["model_card"] = write_text(out / CARD_FILE, model_card(info, records))
     return written
@@ -250,39 +255,27 @@ def card_records(checkpoint: str | os.PathLike,
     return load_eval_results(eval_json if eval_json else find_eval_results(checkpoint))
 
 
-def export_hub_folder(state: Mapping[str, torch.Tensor], config: str, out: Path,
-                      checkpoint: str | os.PathLike, opts: Any,
+def export_hub_folder(exported: Any, out: Path, opts: Any,
                       records: Sequence[Mapping[str, Any]]) -> int:
-    """The ``--format hub`` command: weights, configs and a card with ``records``."""
-    from .config import read_config_json
+    """The ``--format hub`` command: the weights of ``exported``
+    (:class:`rwkv_clip.export.ExportedWeights`), its model settings as the folder's config
+    and a card with ``records``."""
+    from .config import folder_config
 
-    params = read_config_json(config)[0]
+    state, config = exported.state, exported.config
+    params = folder_config(exported.args, config)
     info = CardInfo(name=opts.name or (opts.repo_id or "").split("/")[-1] or out.resolve().name,
                     model_config=params, license=opts.license, datasets=opts.datasets or (),
-                    trained_on=training_summary(checkpoint_run_args(checkpoint)),
+                    trained_on=training_summary(exported.run_args),
                     repo_id=opts.repo_id, parameters=sum(v.numel() for v in state.values()))
     write_hub_folder(state, params, out, info, records)
     figures = (", ".join(f"{r['dataset']} {r['task']}" for r in records) if records
                else "no evaluation results")
     print(f"wrote {out}: {WEIGHTS_FILE}, {MODEL_CONFIG_FILE}, {PREPROCESS_CONFIG_FILE}, "
-          f"{CARD_FILE} (figures: {figures}; config {config})\nload it with "
+          f"{CARD_FILE} (figures: {figures}; config {config}, context {params['ctx_len']} "
+          f"tokens, images {params['input_size']} px)\nload it with "
           f"create_model_and_transforms(\"local-dir:{out}\")", flush=True)
     return 0
-
-
-def checkpoint_run_args(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
-    """The training arguments a training checkpoint of ours holds (None for other files)."""
-    path = Path(checkpoint)
-    if not path.is_file() or path.suffix.lower() not in (".pt", ".pth"):
-        return None
-    from .checkpoint_files import load_torch_file
-
-    try:
-        obj = load_torch_file(path)
-    except CheckpointError:
-        return None
-    args = obj.get("args") if isinstance(obj, dict) else None
-    return args if isinstance(args, dict) else None
 
 
 def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = False,

@@ -224,9 +224,9 @@ def merge_state_dict(state_dict: Mapping[str, torch.Tensor], settings: LoraSetti
     return out
 
 
-def settings_from_checkpoint(obj: Any, source: str) -> LoraSettings:
-    """The LoRA settings a training checkpoint records in its ``args``."""
-    saved = obj.get("args") if isinstance(obj, Mapping) else None
+def settings_from_args(saved: Mapping[str, Any] | None, source: str) -> LoraSettings:
+    """The LoRA settings of a training checkpoint's saved ``args``
+    (:func:`rwkv_clip.checkpoint_files.saved_run_args`)."""
     settings = None
     if isinstance(saved, Mapping):
         try:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint_files import load_checked
-from .config import complete_args
+from .config import ModelArgs, complete_args, kept_settings_note, with_checkpoint_settings
 from .image_rwkv import Image_RWKV
 from .layers.time_mix import TimeMixBase
 from .pretrained import load_weights
@@ -93,27 +93,50 @@ class get_model(nn.Module):
 
 
 def create_RWKV_Model(args: Any, model_weight_path: str | os.PathLike | None = None,
-                      map_location: str | torch.device | None = None) -> get_model:
+                      map_location: str | torch.device | None = None, *,
+                      checkpoint_settings: bool = True) -> get_model:
     """Build RWKV-CLIP from a config namespace (``load_model_configs``) and optionally load
     weights (our checkpoints or the original's, ``module.``/``_orig_mod.`` prefixes ok).
+
+    A training checkpoint records the model settings it was trained with (context
+    length, image size, ...): they replace ``args``' with one printed line where they
+    differ; ``checkpoint_settings=False`` keeps ``args`` as given (one line says which
+    settings then contradict the checkpoint's).
 
     ``args`` is validated once here into a new ``ModelArgs`` (the towers share it, and
     ``set_grad_checkpointing`` changes only that copy, never the caller's object)."""
     args = complete_args(args, source="model args")
+    weights = None
+    if model_weight_path is not None:
+        weights = load_weights(model_weight_path, map_location=map_location)
+        if checkpoint_settings:
+            args = with_checkpoint_settings(args, weights, "args", _say)
+        elif note := kept_settings_note(args, weights):
+            _say(note)
     image_tower = Image_RWKV.from_args(args)  # image first: the original's random-draw order
     text_tower = Text_RWKV(args)
     model = get_model(image_tower, text_tower, image_cls_token=args.image_output_cls_token)
-    if model_weight_path is not None:
-        load_model_weight(model, model_weight_path, map_location=map_location)
+    if weights is not None:
+        load_checked(model, weights)
     return model
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
 
 
 def load_model_weight(model: nn.Module, model_weight: str | os.PathLike,
                       map_location=None) -> nn.Module:
-    """Load weights strictly; values land on the model's device, in its dtypes.
+    """Load weights strictly; values land on the model's device, in its dtypes. The model
+    keeps its settings: where a training checkpoint records others (a context length, an
+    image size), one printed line says so.
 
     ``model_weight`` is a file (``.pt``/``.safetensors``) or a published name
     (``RWKV-CLIP-B32:yfcc15m``, ``hf-hub:OWNER/REPO[/FILE]``, see :mod:`rwkv_clip.pretrained`).
     """
-    load_checked(model, load_weights(model_weight, map_location=map_location))
+    weights = load_weights(model_weight, map_location=map_location)
+    built = getattr(getattr(model, "text_model", None), "args", None)
+    if isinstance(built, ModelArgs) and (note := kept_settings_note(built, weights)):
+        _say(note)
+    load_checked(model, weights)
     return model

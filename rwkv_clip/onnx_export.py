@@ -235,32 +235,38 @@ def verify_onnx(model: Any, out_dir: str | os.PathLike,
     return diffs
 
 
-def model_from_state(state: dict[str, torch.Tensor], config: str) -> nn.Module:
-    """The model of ``config`` (name or path) holding ``state``, in eval mode; a SigLIP
-    state dict (with ``logit_bias``) gives a model with that parameter."""
+def model_from_state(state: dict[str, torch.Tensor], config: Any) -> nn.Module:
+    """The model of ``config`` (a ``ModelArgs``, or a config name or path) holding
+    ``state``, in eval mode; a SigLIP state dict (with ``logit_bias``) gives a model with
+    that parameter."""
     from .checkpoint_files import check_state_dict
-    from .config import load_model_configs
+    from .config import ModelArgs, load_model_configs
     from .model import create_RWKV_Model
 
+    args = config if isinstance(config, ModelArgs) else load_model_configs(config)
     with torch.device("meta"):
-        model = create_RWKV_Model(load_model_configs(config))
-        check_state_dict(model, state, str(config))
+        model = create_RWKV_Model(args)
+        check_state_dict(model, state, "the exported weights")
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 
 
-def export_onnx_folder(state: dict[str, torch.Tensor], config: str, out: Path,
+def export_onnx_folder(state: dict[str, torch.Tensor], args: Any, config: str, out: Path,
                        normalize: bool = False, verify: bool = True) -> int:
-    """The ``--format onnx`` command: export, then (``verify``) compare with onnxruntime."""
-    from .config import read_config_json
+    """The ``--format onnx`` command: export the model of ``args`` (chosen from the config
+    ``config``, whose JSON the folder's config follows), then (``verify``) compare with
+    onnxruntime."""
+    from .config import folder_config
 
-    model = model_from_state(state, config)
-    written = export_onnx(model, out, read_config_json(config)[0], normalize)
+    model = model_from_state(state, args)
+    written = export_onnx(model, out, folder_config(args, config), normalize)
     sizes = ", ".join(f"{p.name} {p.stat().st_size / 2**20:.1f} MiB"
                       for p in (written["image_encoder"], written["text_encoder"]))
+    size, ctx_len = model_input_shapes(model)
     print(f"wrote {out}: {sizes}, {written['model_config'].name}, "
           f"{written['preprocess_config'].name}, {ONNX_CONFIG_FILE} (config {config}, "
-          f"{'normalised' if normalize else 'raw'} features)", flush=True)
+          f"{'normalised' if normalize else 'raw'} features; text input [batch, {ctx_len}], "
+          f"image input [batch, 3, {size}, {size}])", flush=True)
     if verify:
         diffs = verify_onnx(model, out)
         worst = max(diffs.values())

@@ -6,13 +6,14 @@ optional ``@REVISION``; downloads use ``huggingface_hub``'s cache (docs/pretrain
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint_files import StateDict, read_state_dict
+from .checkpoint_files import StateDict, read_checkpoint
 from .errors import CheckpointError, ConfigError
 
 HF_HUB_PREFIX = "hf-hub:"
@@ -264,10 +265,12 @@ def load_weights(pretrained: str | os.PathLike, model_name: str | None = None, *
                  map_location: str | torch.device | None = None,
                  merge_lora: bool = True) -> StateDict:
     """The state dict of what a user typed (file, tag or hf-hub name), read safely (a LoRA
-    checkpoint merged, unless ``merge_lora`` is False: then it is an error)."""
+    checkpoint merged, unless ``merge_lora`` is False: then it is an error), with the
+    model settings a training checkpoint records."""
     weights = resolve_pretrained(pretrained, model_name, revision=revision, cache_dir=cache_dir)
-    return StateDict(read_state_dict(weights.path, map_location=map_location,
-                                     merge_lora=merge_lora), weights.label, weights.config)
+    read = read_checkpoint(weights.path, map_location=map_location, merge_lora=merge_lora,
+                           label=weights.label)
+    return dataclasses.replace(read, config=weights.config)
 
 
 def load_config_input_size(model_name: str) -> int:

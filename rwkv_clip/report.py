@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .distributed import model_device
-from .errors import EvalError, OneLineArgumentParser, run_cli
+from .errors import ConfigError, EvalError, OneLineArgumentParser, run_cli
 
 REPORT_NAME = "report.png"
 PREDICTIONS_NAME = "predictions.json"
@@ -187,22 +187,23 @@ def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def predictions_from_checkpoint(run_dir: str | os.PathLike, folder: str) -> dict[str, Any]:
-    """Evaluate the run's newest checkpoint on ``folder`` (its config inferred from the
-    parameter shapes, as ``zero_shot.py`` does)."""
-    from .checkpoint_files import StateDict, read_state_dict
-    from .config import load_model_configs
-    from .factory import build_model, infer_config
+    """Evaluate the run's newest checkpoint on ``folder`` (its settings chosen as
+    ``zero_shot.py`` chooses them: the saved ones, on the config its shapes fit)."""
+    from .checkpoint_files import read_checkpoint
+    from .factory import build_model, choose_model_args
 
     ckpt = newest_checkpoint(run_dir)
     if ckpt is None:
         raise EvalError(f"{run_dir}: no {PREDICTIONS_NAME} and no checkpoint in "
                         f"{Path(run_dir) / 'checkpoints'} to compute the predictions from")
-    state_dict = read_state_dict(str(ckpt))
-    name = infer_config(state_dict)
-    if name is None:
+    weights = read_checkpoint(ckpt)
+    try:
+        args = choose_model_args(None, weights)[0]
+    except ConfigError:
         raise EvalError(f"checkpoint {ckpt} matches none of the shipped model configs; the "
-                        "picture needs its predictions: evaluate it with the training config")
-    model = build_model(load_model_configs(name), StateDict(state_dict, str(ckpt)))
+                        "picture needs its predictions: evaluate it with the training "
+                        "config") from None
+    model = build_model(args, weights)
     result = compute_predictions(model, folder)
     result["checkpoint"] = str(ckpt)
     return result

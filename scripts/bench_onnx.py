@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     import torch
 
     from rwkv_clip.bench.versus import paired_ratios
-    from rwkv_clip.config import load_model_configs, read_config_json
+    from rwkv_clip.config import folder_config, load_model_configs, read_config_json
     from rwkv_clip.export import export_state_dict
     from rwkv_clip.model import create_RWKV_Model
     from rwkv_clip.onnx import OnnxCLIP
@@ -67,16 +67,19 @@ def main(argv=None) -> int:
         torch.set_num_threads(ns.threads)
     threads = torch.get_num_threads()
     if ns.checkpoint:
-        state, config = export_state_dict(ns.checkpoint, None)
-        model = model_from_state(state, config)
+        exported = export_state_dict(ns.checkpoint, None)
+        config = exported.config
+        model = model_from_state(exported.state, exported.args)
+        folder_cfg = folder_config(exported.args, config)
     else:
         config = ns.config
         torch.manual_seed(ns.seed)
         model = create_RWKV_Model(load_model_configs(config)).eval()
+        folder_cfg = read_config_json(config)[0]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(ns.onnx_dir or tmp)
         if not (folder / IMAGE_FILE).is_file():
-            export_onnx(model, folder, read_config_json(config)[0])
+            export_onnx(model, folder, folder_cfg)
         session = OnnxCLIP(folder, threads=threads)
         image, text = example_inputs(model, ns.batch_size, seed=ns.seed)
         cases = {"image": (lambda: model.encode_image(image),

@@ -60,8 +60,9 @@ def test_siglip_weights_load_infer_and_export(tmp_path):
                   create_model("RWKV_CLIP_tiny", pretrained=str(path))):
         assert model.logit_bias.item() == -7.5
         assert model.logit_scale.item() == pytest.approx(math.log(10))
-    exported, config = export_state_dict(path)
-    assert config == "RWKV_CLIP_tiny" and float(exported["logit_bias"]) == -7.5
+    result = export_state_dict(path)
+    exported = result.state
+    assert result.config == "RWKV_CLIP_tiny" and float(exported["logit_bias"]) == -7.5
     assert list(exported) == list(siglip.state_dict())
     assert list(exported)[:2] == ["logit_scale", "logit_bias"]
     # CLIP weights still load into a CLIP model, which stays without a bias

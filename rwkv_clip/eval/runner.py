@@ -67,7 +67,8 @@ def build_eval_model(opts, device: torch.device, info: DistInfo) -> tuple[Any, A
 
     The config is ``--config``, else the one the published weights name, else the shipped
     config whose model fits the checkpoint (architecture flags applied), else the small
-    default; architecture flags override its keys. The original's shell scripts pass
+    default; a training checkpoint's saved model settings (context length, image size,
+    ...) override its keys, and architecture flags override those. The original's shell scripts pass
     every architecture flag but ``--input-size`` (its default 224), so with their B/32
     checkpoint they resolve to exactly RWKV_CLIP_B32.
     """
@@ -217,7 +218,8 @@ def _run(opts, info: DistInfo, watch: faults.PeerWatch | None = None) -> list[di
                 "not change evaluation; --amp bf16 opts into autocast)")
     log(info, f"model {model_name} ({pretrained}) on {device}, computing in "
               f"{compute if compute == 'fp32' else compute + ' autocast'}{note}, "
-              f"{info.world_size} process(es)")
+              f"{info.world_size} process(es); context {args.ctx_len} tokens, images "
+              f"{size} px")
     common = dict(device=device, batch_size=opts.batch_size, workers=opts.workers,
                   precision=compute, text_batch_size=opts.text_batch_size, info=info,
                   log=lambda msg: log(info, msg))
@@ -259,7 +261,8 @@ def _run(opts, info: DistInfo, watch: faults.PeerWatch | None = None) -> list[di
                       f"{protocol(name)}")
             metrics = evaluate_retrieval(model, rset, eval_transform(name, size), **common)
             name = rset.name
-        record = result_record(name, model_name, pretrained, task, metrics)
+        record = result_record(name, model_name, pretrained, task, metrics,
+                               ctx_len=args.ctx_len, input_size=size)
         records.append(record)
         if info.is_master:
             earlier = result_path(json_dir, record["dataset"], record["task"])

@@ -22,6 +22,7 @@ import torch
 
 from .. import faults, host_memory
 from ..compiling import compile_model
+from ..config import kept_settings_note
 from ..distributed import (
     DistInfo,
     any_rank_true,
@@ -356,6 +357,10 @@ def build_train_model(args, info: DistInfo, log) -> get_model:
     model = build_model(args.model_config, weights)
     if weights is not None:
         log.info(f"initial weights from {args.pretrained}")
+        # a length or size other than the weights were trained at is allowed and said
+        note = kept_settings_note(model.text_model.args, weights)
+        if note:
+            log.info(note)
     fit_logit_bias(model, args, log)
     lock_towers(model, args, log)
     add_lora_adapters(model, args, log)
