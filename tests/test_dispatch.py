@@ -22,7 +22,7 @@ def _on_cpu(device, dtype, shape):
 
 
 def _good(x):
-    return x + x
+    return x * torch.full_like(x, 2.0)  # saves a tensor for backward
 
 
 def _slow(x):
@@ -167,6 +167,21 @@ def test_the_cache_key_follows_device_torch_version_and_shape_class(table, monke
         uncapped = dispatch.device_name(cpu)
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
         assert dispatch.device_name(cpu) != uncapped and dispatch.device_name(cpu).endswith("base")
+
+
+def test_the_measuring_runs_are_hidden_from_the_callers_saved_tensor_hooks(table):
+    """A memory count or an offload policy around the first call sees that call only."""
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+    x = _x()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        impl = dispatch.choose(OP, (x,))
+        assert dispatch.counters["timed"] == 2 and packed == []
+        impl.fn(x)
+    assert packed == [x.shape]
 
 
 def test_under_compile_nothing_is_timed_and_the_graph_is_whole(table):

@@ -378,6 +378,10 @@ def _time(impl: Implementation, args: Sequence[Any], needs_grad: bool, budget_ms
     return times[len(times) // 2]
 
 
+def _same(x: Tensor) -> Tensor:
+    return x
+
+
 def _auto(op: Op, args: Sequence[Any], device: torch.device, dtype: torch.dtype,
           shape: ShapeClass) -> dict[str, float]:
     survivors = []
@@ -479,7 +483,10 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None) -> Impl
         choice = Choice(op.name, record["implementation"], str(device), _dtype_name(dtype),
                         shape_text(shape), "cache", dict(record.get("times_ms", {})))
     else:
-        times = _auto(op, args, device, dtype, shape)
+        # the caller's saved-tensor hooks (memory counts, activation offload) must not
+        # see the measuring runs: identity hooks, innermost, shadow them
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            times = _auto(op, args, device, dtype, shape)
         winner = min(times, key=times.__getitem__)
         choice = Choice(op.name, winner, str(device), _dtype_name(dtype), shape_text(shape), "auto",
                         times)
