@@ -125,12 +125,17 @@ def _pinned_wkv(backend: str | None) -> tuple[str | None, str]:
 
 def describe_wkv(device: torch.device | str, backend: str | None = None) -> str:
     """The one line that says how the WKV implementation is chosen on ``device``: the
-    pinned one, or the candidates ``auto`` checks and times (and the cache it keeps)."""
+    pinned one, or the candidates ``auto`` checks and times (and the cache it keeps). A
+    pin that cannot run on ``device`` is a :class:`WKVError` here, before any set-up."""
     check_wkv_environment()
     device = torch.device(device)
     name, how = _pinned_wkv(backend)
     if name is not None:
-        chosen = WKV.resolve(name, device.type)
+        chosen = WKV.resolve(name, device.type, how)
+        if device.type not in WKV.implementations[chosen].device_types:
+            here = [i.name for i in WKV.implementations.values() if device.type in i.device_types]
+            raise WKVError(f"wkv implementation {chosen!r} (from {how}) does not run on "
+                           f"{device.type}; there: {', '.join(here)}")
         text = f"WKV: {chosen} ({how})"
         names = [chosen]
     else:
