@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..compiling import INDUCTOR_CACHE_ENV, inductor_cache_dir
 from ..errors import ConfigError
 
 # environment of each CPU path (the variables torch, oneDNN and rwkv_clip.cpu_gemm read)
@@ -83,7 +84,10 @@ def run_seed(python: str, repo: Path, output: Path, seed: int, extra: list[str],
     wall-clock seconds."""
     start = time.perf_counter()
     cmd = [python, str(repo / "train.py"), "--output", str(output), "--seed", str(seed), *extra]
-    result = subprocess.run(cmd, cwd=repo, env={**os.environ, **(env or {})})
+    full = {**os.environ, **(env or {})}
+    if env and "ATEN_CPU_CAPABILITY" in env:  # compiled kernels of that level apart
+        full[INDUCTOR_CACHE_ENV] = inductor_cache_dir(env["ATEN_CPU_CAPABILITY"])
+    result = subprocess.run(cmd, cwd=repo, env=full)
     if result.returncode:
         raise ConfigError(f"train.py --seed {seed} exited with status {result.returncode}; "
                           f"its log is {output / 'training.log'}")
