@@ -1,13 +1,17 @@
 #!/usr/bin/env python
-"""The main job (README command 1, ``train.py`` with no flags) over several seeds, one JSON.
+"""The main job (README command 1, ``train.py`` with no flags) over several seeds, CPU paths
+and thread counts, one JSON.
 
-Each seed trains into RUNS/seedN (``--runs``, default runs/main_job) and its final
-zero-shot top-1 on the held-out and the shifted split is read from its training.log; the
-JSON holds every run, their min / median / max and the machine (CPU model, ISA). See
-rwkv_clip.bench.main_job.
+Each run trains into RUNS/seedN (``--runs``, default runs/main_job; RUNS/PATH-tN-seedN in
+a grid) and its final zero-shot top-1 on the held-out and the shifted split is read from
+its training.log; the JSON holds every run, their min / median / max and the machine (CPU
+model, ISA). A CPU path forces the arithmetic of another CPU on this one (``avx2``,
+``avx512``: the instruction-set level; ``mkl``, ``onednn``: the fp32 GEMM; joined by
+``+``). See rwkv_clip.bench.main_job.
 
     python scripts/bench_main_job.py --seeds 0,1,2 --out docs/results/main_job_seeds.json
     python scripts/bench_main_job.py --seeds 0,1,2 --runs runs --reuse   # runs already there
+    python scripts/bench_main_job.py --seeds 0,1 --paths native,avx2,avx2+mkl --threads 1,2
 
 Arguments after ``--`` go to train.py (e.g. ``-- --epochs 3``).
 """
@@ -31,7 +35,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")],
                     help="comma-separated seeds (default: 0,1,2)")
-    ap.add_argument("--runs", default="runs/main_job", help="folder of the seedN run folders")
+    ap.add_argument("--paths", default="native", type=lambda s: s.split(","),
+                    help="comma-separated CPU paths (native, avx2, avx512, mkl, onednn; "
+                         "combined with '+'; default: native)")
+    ap.add_argument("--threads", default=None,
+                    type=lambda s: [int(x) for x in s.split(",")],
+                    help="comma-separated thread counts (OMP_NUM_THREADS; default: torch's)")
+    ap.add_argument("--runs", default="runs/main_job", help="folder of the run folders")
     ap.add_argument("--reuse", action="store_true",
                     help="read a seed's finished run from RUNS/seedN instead of training it")
     ap.add_argument("--out", help="also write the JSON to this file")

@@ -26,6 +26,13 @@ def repo_root() -> Path:
     return REPO
 
 
+def pytest_configure(config):
+    """Compiled kernels in a cache folder of this CPU level's own (rwkv_clip.compiling):
+    inductor's default one is shared with runs at other levels (the forced-path stage)."""
+    from rwkv_clip.compiling import isolate_inductor_cache
+    isolate_inductor_cache()
+
+
 def pytest_sessionstart(session):
     """Where the run happened, first in its output (with -q too): the CPU, the level the
     project runs at (capped by ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA in the forced-path

@@ -167,3 +167,22 @@ def test_main_job_reads_a_runs_final_accuracies_and_their_range_over_seeds():
     assert summary["shifted_top1"] == {"min": 87.7, "median": 90.0, "max": 93.0}
     with pytest.raises(ConfigError, match="final zero-shot lines"):
         read_run(MAIN_JOB_LOG.splitlines()[0])
+
+
+def test_main_job_grid_paths_and_run_folders():
+    """The grid of scripts/bench_main_job.py: each CPU path is the environment another CPU's
+    arithmetic needs (combined with '+'), an unknown name is one error before any run, and
+    the run folders name path, threads and seed (plain seedN without a grid)."""
+    from rwkv_clip.bench.main_job import grid, path_environment, read_run
+    assert path_environment("native") == {}
+    assert path_environment("avx2+mkl") == {"ATEN_CPU_CAPABILITY": "avx2",
+                                            "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                            "RWKV_CLIP_CPU_LINEAR": "mkl"}
+    with pytest.raises(ConfigError, match=r"CPU path 'avx3' \(in 'avx2\+avx3'\): expected"):
+        path_environment("avx2+avx3")
+    assert [r[3] for r in grid([0, 1], ["native"], [None])] == ["seed0", "seed1"]
+    assert [r[3] for r in grid([0], ["native", "avx2"], [1, 2])] == [
+        "native-t1-seed0", "native-t2-seed0", "avx2-t1-seed0", "avx2-t2-seed0"]
+    log = ("13:00:00 WKV: cpu kernel rwkv_clip_wkv6_cpu_avx2 on AMD EPYC (AuthenticAMD): "
+           "avx512bf16, running as avx2 (ATEN_CPU_CAPABILITY=avx2) (choice: X)\n" + MAIN_JOB_LOG)
+    assert read_run(log)["wkv"].startswith("cpu kernel rwkv_clip_wkv6_cpu_avx2 on AMD EPYC")

@@ -1,13 +1,26 @@
-"""compile_model: the inductor options per torch release, the CUDA branch of the WKV op
-traced whole, and (on a GPU) the compiled training step equal to the eager one."""
+"""compile_model: the inductor options per torch release, a cache folder per CPU level,
+the CUDA branch of the WKV op traced whole, and (on a GPU) the compiled training step equal
+to the eager one."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from train_util import REPO
 
 from rwkv_clip import create_RWKV_Model, load_model_configs
-from rwkv_clip.compiling import compile_model, inductor_options, torch_release
+from rwkv_clip.compiling import (
+    INDUCTOR_CACHE_ENV,
+    compile_model,
+    inductor_cache_dir,
+    inductor_options,
+    isolate_inductor_cache,
+    torch_release,
+)
+from rwkv_clip.cpu_isa import cpu_info
 from rwkv_clip.loss import ClipLoss
 from rwkv_clip.ops import kernels
 
@@ -28,6 +41,48 @@ def test_the_option_exists_in_this_torch():
     # compile_model passes the option by name; a renamed option would fail every compile
     import torch._inductor.config as inductor_config
     assert isinstance(inductor_config.triton.mix_order_reduction, bool)
+
+
+def test_each_cpu_level_has_its_own_cache_folder(monkeypatch):
+    assert inductor_cache_dir("avx2").endswith("_avx2")
+    assert inductor_cache_dir("AVX2") == inductor_cache_dir("avx2")
+    assert inductor_cache_dir("default") != inductor_cache_dir("avx2")
+    level = torch.backends.cpu.get_cpu_capability().lower()
+    assert os.path.basename(inductor_cache_dir()).split("_", 2)[-1].startswith(level)
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
+    assert isolate_inductor_cache() == inductor_cache_dir() == os.environ[INDUCTOR_CACHE_ENV]
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, "/somewhere/of/the/users")
+    assert isolate_inductor_cache() == "/somewhere/of/the/users"
+
+
+CACHED_GRAPH = """
+import sys, torch
+from rwkv_clip.compiling import compile_model
+torch.manual_seed(0)
+x = torch.randn(64, 1000)
+f = compile_model(lambda t: torch.tanh(t) * 2 + t.sum(-1, keepdim=True), fullgraph=True,
+                  dynamic=False)
+print(float((f(x) - (torch.tanh(x) * 2 + x.sum(-1, keepdim=True))).abs().max()))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu_info().x86 or torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="needs an x86 CPU running at AVX-512, above the AVX2 level forced")
+def test_a_graph_compiled_at_avx2_is_not_reused_at_avx512(tmp_path):
+    """Inductor keys its cache without the vector width: a graph written by an
+    ATEN_CPU_CAPABILITY=avx2 process and loaded by an AVX-512 one gives wrong numbers
+    (here about 19 off). compile_model keeps the two apart."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (INDUCTOR_CACHE_ENV, "ATEN_CPU_CAPABILITY")}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=str(REPO))
+    for extra in ({"ATEN_CPU_CAPABILITY": "avx2"}, {}):
+        out = subprocess.run([sys.executable, "-c", CACHED_GRAPH], env={**env, **extra},
+                             capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert float(out.stdout.split()[-1]) < 1e-3, (extra, out.stdout)
+    names = [p.name for p in tmp_path.glob("torchinductor_*")]
+    assert any(n.endswith("_avx2") for n in names) and any("_avx512" in n for n in names)
 
 
 def test_cuda_branch_of_the_wkv_op_traces_whole():

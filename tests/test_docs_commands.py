@@ -123,6 +123,8 @@ COMMANDS: dict[str, str] = {
     # GPU check, CUDA 12 cluster (network, a GPU machine)
     "bash scripts/device_wheels.sh": "help",
     "bash scripts/gpu_check.sh gpu_check.json": "help",
+    "bash scripts/bootstrap.sh && .venv/bin/python scripts/gpu_check.py --out gpu_check.json":
+        "help",
     # docs/performance.md's GPU figures (an H200)
     "python scripts/bench_resolution.py --device cuda --model B16 --precisions bf16 --sides "
     "224,448,896 --batch-size 4 --train-batch-size 4 --warmup 2 --repeats 4 --max-seconds 150":

@@ -1,11 +1,17 @@
 """The main job's figure as a distribution: ``train.py`` (the README's command 1) once per
-seed, each run's final zero-shot top-1 on the held-out and the shifted split read back
-from its ``training.log``, and their range over the seeds. Used by
+seed, CPU path and thread count, each run's final zero-shot top-1 on the held-out and the
+shifted split read back from its ``training.log``, and their range over the grid. Used by
 ``scripts/bench_main_job.py``.
+
+A CPU path is the arithmetic another CPU would take, forced on this one: ``avx2`` and
+``avx512`` cap torch's kernels, oneDNN's GEMMs and the WKV build at that level
+(:mod:`rwkv_clip.cpu_isa`); ``mkl`` / ``onednn`` pick the fp32 ``Linear`` GEMM;
+``native`` is the machine as it is. Paths combine with ``+`` (``avx2+mkl``).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -14,7 +20,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..compiling import INDUCTOR_CACHE_ENV, inductor_cache_dir
 from ..errors import ConfigError
+
+# environment of each CPU path (the variables torch, oneDNN and rwkv_clip.cpu_gemm read)
+CPU_PATHS: dict[str, dict[str, str]] = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "mkl": {"RWKV_CLIP_CPU_LINEAR": "mkl"},
+    "onednn": {"RWKV_CLIP_CPU_LINEAR": "onednn"},
+}
+WKV_LINE = re.compile(r"WKV: (?P<wkv>.*?) \(choice")
+
+
+def path_environment(path: str) -> dict[str, str]:
+    """The variables of ``path`` (names from :data:`CPU_PATHS` joined by ``+``)."""
+    env: dict[str, str] = {}
+    for part in path.split("+"):
+        if part not in CPU_PATHS:
+            raise ConfigError(f"CPU path {part!r} (in {path!r}): expected names from "
+                              f"{', '.join(CPU_PATHS)} joined by '+'")
+        env.update(CPU_PATHS[part])
+    return env
+
 
 FINAL = re.compile(r"final zero-shot accuracy(?P<shifted> on the shifted split)?: "
                    r"top-1 (?P<top1>[\d.]+)%(?:, top-5 (?P<top5>[\d.]+)%)?")
@@ -27,6 +56,9 @@ def read_run(log_text: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for match in DONE.finditer(log_text):
         out.update(steps=int(match["steps"]), train_minutes=float(match["minutes"]))
+    wkv = WKV_LINE.search(log_text)
+    if wkv is not None:
+        out["wkv"] = wkv["wkv"]
     for match in FINAL.finditer(log_text):
         split = "shifted" if match["shifted"] else "held_out"
         out[f"{split}_top1"] = float(match["top1"])
@@ -42,19 +74,34 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """min / median / max over the seeds of each split's top-1."""
+    """min / median / max over the runs of each split's top-1."""
     return {key: spread([r[key] for r in runs]) for key in ("held_out_top1", "shifted_top1")}
 
 
-def run_seed(python: str, repo: Path, output: Path, seed: int, extra: list[str]) -> float:
-    """Run command 1's ``train.py`` with ``--seed``; its wall-clock seconds."""
+def run_seed(python: str, repo: Path, output: Path, seed: int, extra: list[str],
+             env: dict[str, str] | None = None) -> float:
+    """Run command 1's ``train.py`` with ``--seed`` (``env`` added to the environment); its
+    wall-clock seconds."""
     start = time.perf_counter()
     cmd = [python, str(repo / "train.py"), "--output", str(output), "--seed", str(seed), *extra]
-    result = subprocess.run(cmd, cwd=repo)
+    full = {**os.environ, **(env or {})}
+    if env and "ATEN_CPU_CAPABILITY" in env:  # compiled kernels of that level apart
+        full[INDUCTOR_CACHE_ENV] = inductor_cache_dir(env["ATEN_CPU_CAPABILITY"])
+    result = subprocess.run(cmd, cwd=repo, env=full)
     if result.returncode:
         raise ConfigError(f"train.py --seed {seed} exited with status {result.returncode}; "
                           f"its log is {output / 'training.log'}")
     return time.perf_counter() - start
+
+
+def grid(seeds: list[int], paths: list[str], threads: list[int | None]
+         ) -> list[tuple[str, int | None, int, str]]:
+    """(path, threads, seed, run folder name) of every run; a one-path, default-threads
+    grid keeps the plain ``seedN`` folders."""
+    plain = paths == ["native"] and threads == [None]
+    return [(path, n, seed, f"seed{seed}" if plain else
+             f"{path}-t{n if n is not None else 'default'}-seed{seed}")
+            for path in paths for n in threads for seed in seeds]
 
 
 def main(ns: Any) -> int:
@@ -62,21 +109,30 @@ def main(ns: Any) -> int:
 
     from .versus import machine
     repo = Path(__file__).resolve().parents[2]
+    paths = getattr(ns, "paths", None) or ["native"]
+    threads = getattr(ns, "threads", None) or [None]
+    for path in paths:
+        path_environment(path)  # every name checked before the first run
     runs: list[dict[str, Any]] = []
-    for seed in ns.seeds:
-        output = Path(ns.runs) / f"seed{seed}"
+    for path, n, seed, name in grid(ns.seeds, paths, threads):
+        output = Path(ns.runs) / name
         log = output / "training.log"
+        env = path_environment(path)
+        if n is not None:
+            env["OMP_NUM_THREADS"] = str(n)
         wall = None
         if not (ns.reuse and log.is_file()):
-            wall = run_seed(sys.executable, repo, output, seed, ns.train_args)
+            wall = run_seed(sys.executable, repo, output, seed, ns.train_args, env)
         if not log.is_file():
             raise ConfigError(f"{log}: no such file (run without --reuse to train seed {seed})")
-        runs.append({"seed": seed, **read_run(log.read_text()), "wall_s": wall})
-        print(f"seed {seed}: {runs[-1]}", file=sys.stderr, flush=True)
+        runs.append({"seed": seed, "path": path, "threads": n or torch.get_num_threads(),
+                     "env": env, **read_run(log.read_text()), "wall_s": wall})
+        print(f"{name}: {runs[-1]}", file=sys.stderr, flush=True)
     result = {"benchmark": "main_job",
-              "command": "train.py --output RUNS/seedN --seed N " + " ".join(ns.train_args),
+              "command": "train.py --output RUNS/NAME --seed N " + " ".join(ns.train_args),
               "machine": machine(torch.device("cpu")), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "runs": runs, "top1_over_seeds": summarise(runs),
+              "paths": paths, "torch": torch.__version__, "runs": runs,
+              "top1_over_seeds": summarise(runs),
               "date": time.strftime("%Y-%m-%d %H:%M %Z")}
     text = json.dumps(result)
     print(text)
