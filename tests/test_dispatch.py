@@ -244,3 +244,33 @@ def test_every_wkv_implementation_states_where_it_runs():
                                                                 {"T": 3, "N": 260})
     assert WKV.resolve("cuda", "cuda") == "cuda-fast"  # the old backend name
     assert dispatch.check(WKV, WKV.implementations["reference"], cpu, torch.float32) is None
+
+
+def test_the_reference_is_timed_only_when_nothing_else_passes(tmp_path, monkeypatch):
+    monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatch, "cache_path", lambda: tmp_path / "dispatch.json")
+    dispatch.reset()
+    dispatch.set_reporter(lambda line: None)
+    try:
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(1, 5, 32, generator=g) for _ in range(4)]
+        wkv6_bidirectional(*xs, torch.randn(2, 16, generator=g))
+        chosen, = dispatch.choices().values()
+        assert chosen["implementation"] == "cpu" and set(chosen["times_ms"]) == {"cpu"}
+        assert dispatch.counters == {"checked": 2, "timed": 1}
+    finally:
+        dispatch.set_reporter()
+        dispatch.reset()
+
+
+@pytest.mark.parametrize("name", sorted(dispatch.REPLACED_ENV_VARS))
+def test_a_replaced_variable_stops_the_run_naming_its_replacement(name, monkeypatch):
+    monkeypatch.setenv(name, "reference")
+    dispatch.reset()
+    try:
+        with pytest.raises(DispatchError, match=f"{name} is not read; set "
+                                                f"{dispatch.OVERRIDE_ENV_VAR}=wkv="):
+            dispatch.override()
+    finally:
+        monkeypatch.delenv(name)
+        dispatch.reset()
