@@ -86,7 +86,9 @@ class get_model(nn.Module):
         self.text_model.args.with_cp = enable
 
     def set_wkv_backend(self, backend: str | None) -> None:
-        """Force a WKV backend ("cuda", "cpu", "reference") or None to follow the device."""
+        """Pin the WKV implementation (a name of the dispatch table's ``wkv`` op, e.g.
+        "cpu", "reference", "cuda-fast"; "cuda" stands for "cuda-fast"), or None / "auto"
+        to let the table choose (docs/wkv.md)."""
         for module in self.modules():
             if isinstance(module, TimeMixBase):  # every WKV call sits in a time mix
                 module.wkv_backend = backend

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ from rwkv_clip.memory import (
     synthetic_batch,
     training_peak,
 )
+from rwkv_clip.ops import dispatch
 
 
 class WKVTimer:
@@ -208,8 +208,7 @@ def main(argv=None) -> int:
                    share_of_step=(timer.fwd + timer.bwd) / total)
 
     mean = sum(times) / len(times)
-    backend = ns.wkv_backend or os.environ.get("RWKV_CLIP_WKV_BACKEND") or (
-        "cuda" if gpu else "cpu")
+    backend = ns.wkv_backend or dispatch.override().get("wkv") or "auto"
     estimate = training_peak(args, batch, precision, ns.checkpointing, device=device.type)
     result = {
         "config": Path(config).name,
@@ -218,7 +217,8 @@ def main(argv=None) -> int:
         "precision": precision,
         "checkpointing": ns.checkpointing,
         "wkv_backend": backend,
-        "cuda_variant": os.environ.get("RWKV_CLIP_WKV_CUDA_VARIANT", "default") if gpu else None,
+        "wkv_choices": {c["shape"]: c["implementation"] for c in dispatch.choices().values()
+                        if c["op"] == "wkv"},
         "compiled": ns.compile_backend if ns.compile else False,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

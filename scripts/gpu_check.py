@@ -411,6 +411,11 @@ def wkv_step(name: str, dtype: str, backends: str, timeout: int, dry_backends: s
                              "--warmup", "0", "--repeats", "1", "--threads", "1"])
 
 
+def wkv_implementation(variant: str) -> str:
+    """The dispatch table's name of a CUDA WKV variant ("fast" -> "cuda-fast")."""
+    return variant if variant == "chunked" else f"cuda-{variant}"
+
+
 def train_step(name: str, variant: str, checkpointing: bool, compiled: bool, timeout: int
                ) -> Step:
     bench = [sys.executable, str(SCRIPTS / "bench_train.py")]
@@ -419,7 +424,7 @@ def train_step(name: str, variant: str, checkpointing: bool, compiled: bool, tim
     return Step(name, bench + ["--device", "cuda", "--config", B32, "--batch-size", "256",
                                "--precision", "bf16", "--warmup", "3", "--steps", "5",
                                "--wkv-steps", wkv_steps] + flags,
-                timeout, cuda=True, env={"RWKV_CLIP_WKV_CUDA_VARIANT": variant},
+                timeout, cuda=True, env={"RWKV_CLIP_DISPATCH": f"wkv={wkv_implementation(variant)}"},
                 why=f"B/32 batch 256 bf16 training step, {variant} kernel, "
                     f"{'compiled' if compiled else 'eager'}, checkpointing "
                     f"{'on' if checkpointing else 'off'}",

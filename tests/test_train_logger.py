@@ -86,19 +86,19 @@ class _Recorder(logging.Handler):
 
 
 def test_kernel_notice_only_when_the_cpu_kernel_is_not_cached(tmp_path, monkeypatch):
-    from rwkv_clip.ops import build, prepare_wkv_kernel, reset_backend_override
+    from rwkv_clip.ops import build, dispatch, prepare_wkv_kernel
 
     log = logging.getLogger("test_kernel_notice")
     rec = _Recorder()
     log.addHandler(rec)
     log.setLevel(logging.INFO)
     prepare_wkv_kernel(torch.device("meta"), log.info)  # not a CPU run: nothing to do
-    monkeypatch.setenv("RWKV_CLIP_WKV_BACKEND", "reference")
-    reset_backend_override()
-    prepare_wkv_kernel(torch.device("cpu"), log.info)  # pure-PyTorch backend: no kernel
+    monkeypatch.setenv("RWKV_CLIP_DISPATCH", "wkv=reference")
+    dispatch.reset()
+    prepare_wkv_kernel(torch.device("cpu"), log.info)  # pure-PyTorch reference: no kernel
     assert rec.messages == []
-    monkeypatch.delenv("RWKV_CLIP_WKV_BACKEND")
-    reset_backend_override()
+    monkeypatch.delenv("RWKV_CLIP_DISPATCH")
+    dispatch.reset()
     if not build.cpu_kernel_cached():
         pytest.skip("the CPU kernel is not built in this cache (the notice would compile it)")
     prepare_wkv_kernel(torch.device("cpu"), log.info)

@@ -114,13 +114,16 @@ def test_chunked_is_a_cuda_variant_with_head_sizes_in_blocks_of_16(monkeypatch):
     from rwkv_clip.ops import wkv_chunked
     assert build.resolve_cuda_variant("chunked") == "chunked"
     assert "chunked" not in build.CUDA_VARIANTS  # nothing for nvcc to build
-    monkeypatch.delenv(build.CUDA_VARIANT_ENV_VAR, raising=False)
-    build.reset_env_overrides()
     assert build.resolve_cuda_variant(None) == build.DEFAULT_CUDA_VARIANT == "fast"
     assert wkv_chunked.channel_block(64) == 32 and wkv_chunked.channel_block(80) == 16
     r = torch.zeros(1, 4, 72)  # 72 = 8 x 9: not a multiple of 16
     with pytest.raises(WKVError, match="head size N=72 .* chunked"):
         kernels.run_native("cuda", r, r, r, r, torch.zeros(1, 72), variant="chunked")
+    from rwkv_clip.ops import WKV
+    assert "N=72" in WKV.implementations["chunked"].supports(torch.device("cuda"), torch.float32,
+                                                             {"T": 4, "N": 72})
+    assert WKV.implementations["chunked"].supports(torch.device("cuda"), torch.float32,
+                                                   {"T": 4, "N": 64}) is None
 
 
 def test_chunked_empty_batch_launches_nothing(monkeypatch):

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from rwkv_clip.ops import (
-    BACKEND_ENV_VAR,
     WKVError,
     build,
     cache,
+    dispatch,
     toolchain,
     wkv6_bidirectional,
     wkv6_bidirectional_reference,
@@ -169,28 +169,30 @@ def test_cpu_kernel_non_contiguous_inputs():
 
 
 # --------------------------------------------------------------- backend selection
-def test_backend_argument_and_env(monkeypatch):
+def test_backend_argument_and_override(monkeypatch):
     inputs = make_inputs(1, 3, 1, 4, dtype=torch.float64, requires_grad=False)
-    monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
+    monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, "wkv=reference")
     y = wkv6_bidirectional(*inputs)
     assert y.dtype == torch.float64  # only the reference keeps float64
-    monkeypatch.setenv(BACKEND_ENV_VAR, "bogus")
-    from rwkv_clip.ops import reset_backend_override
-    reset_backend_override()
+    monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, "wkv=bogus")
+    dispatch.reset()
     with pytest.raises(WKVError, match="bogus"):
         wkv6_bidirectional(*inputs)
+    monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, "wkv=cpu")
+    dispatch.reset()
     # the argument wins over the environment
     y2 = wkv6_bidirectional(*inputs, backend="reference")
     torch.testing.assert_close(y, y2)
     with pytest.raises(WKVError, match="nope"):
         wkv6_bidirectional(*inputs, backend="nope")
-    with pytest.raises(WKVError, match="CUDA tensors"):
-        wkv6_bidirectional(*inputs, backend="cuda")
+    for name in ("cuda", "cuda-fast", "cuda-faithful"):  # "cuda": the old name of cuda-fast
+        with pytest.raises(WKVError, match="needs CUDA tensors"):
+            wkv6_bidirectional(*inputs, backend=name)
 
 
 @cpu_kernel
 def test_default_backend_on_cpu_is_native(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
     inputs = make_inputs(1, 5, 1, 8, dtype=torch.float64, requires_grad=False)
     y = wkv6_bidirectional(*inputs)
     assert y.dtype == torch.float32  # the native kernel returns float32
@@ -233,7 +235,8 @@ def test_cuda_kernels_take_an_empty_batch_without_launching(monkeypatch):
 
 
 def test_cuda_bad_head_size_raises_wkverror_without_compiling(monkeypatch):
-    """run_native checks sizes before building: a fake CUDA call never reaches a compiler."""
+    """run_native checks sizes before building: a fake CUDA call never reaches a compiler;
+    the table's CUDA implementations say so in their supports()."""
     from rwkv_clip.ops import kernels
 
     def boom(*a, **k):
@@ -243,6 +246,10 @@ def test_cuda_bad_head_size_raises_wkverror_without_compiling(monkeypatch):
     r = torch.zeros(1, 4, 6)
     with pytest.raises(WKVError, match="head size"):
         kernels.run_native("cuda", r, r, r, r, torch.zeros(1, 6))
+    from rwkv_clip.ops import WKV
+    for name in ("cuda-fast", "cuda-faithful"):
+        assert "head size N=6" in WKV.implementations[name].supports(
+            torch.device("cuda"), torch.float32, {"T": 4, "N": 6})
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch):
@@ -505,12 +512,11 @@ def test_build_cli_failure_is_one_error_line_and_exit_2(tmp_path):
 
 # ------------------------------------------------------- the op as a PyTorch operator
 @pytest.fixture(autouse=True)
-def _fresh_backend_override():
-    """The backend override is read once per process; every test starts from the env."""
-    from rwkv_clip.ops import reset_backend_override
-    reset_backend_override()
+def _fresh_dispatch():
+    """The table's override is read once per process; every test starts from the env."""
+    dispatch.reset()
     yield
-    reset_backend_override()
+    dispatch.reset()
 
 
 def _op_inputs(B, T, H, N, dtypes, seed=0):
@@ -563,14 +569,13 @@ def test_fake_tensors_give_shapes_and_dtypes_without_a_kernel(dtypes, monkeypatc
 
 
 @cpu_kernel
-def test_backend_override_is_read_once(monkeypatch):
-    from rwkv_clip.ops import reset_backend_override
+def test_dispatch_override_is_read_once(monkeypatch):
     inputs = make_inputs(1, 3, 1, 4, dtype=torch.float64, requires_grad=False)
-    monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
+    monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, "wkv=reference")
     assert wkv6_bidirectional(*inputs).dtype == torch.float64   # the reference keeps float64
-    monkeypatch.setenv(BACKEND_ENV_VAR, "cpu")
+    monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, "wkv=cpu")
     assert wkv6_bidirectional(*inputs).dtype == torch.float64   # not looked up again
-    reset_backend_override()
+    dispatch.reset()
     assert wkv6_bidirectional(*inputs).dtype == torch.float32   # the native kernel
 
 

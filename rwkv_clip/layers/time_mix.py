@@ -72,7 +72,7 @@ class TimeMixBase(nn.Module):
     """Shared forward of the RWKV-6 time mix; subclasses own parameters and shift."""
 
     n_head: int
-    wkv_backend: str | None = None  # None: follow the tensors' device (see rwkv_clip.ops)
+    wkv_backend: str | None = None  # a pinned WKV implementation; None: the dispatch table's
     # created by the subclasses (their order fixes the state-dict order and random draws)
     time_maa_x: nn.Parameter
     time_maa_w: nn.Parameter

@@ -37,7 +37,6 @@ CUDA_VARIANTS = ("faithful", "fast")  # compiled here (nvcc)
 TRITON_CUDA_VARIANTS = ("chunked",)
 # the faster of the two on an H200 (the GPU check: both pass its float64 check)
 DEFAULT_CUDA_VARIANT = "fast"
-CUDA_VARIANT_ENV_VAR = "RWKV_CLIP_WKV_CUDA_VARIANT"
 
 _lock = threading.Lock()
 _loaded: dict[tuple, object] = {}
@@ -45,10 +44,27 @@ COMPILER_TAIL_LINES = 25
 
 
 # ----------------------------------------------------------------------------- sizes
-def check_cuda_head_size(N: int) -> None:
+def cuda_head_size_problem(N: int) -> str | None:
+    """Why the nvcc-built CUDA kernels cannot take head size N (None: they can)."""
     if N % 4 != 0 or N < 4 or N > CUDA_MAX_HEAD_SIZE:
-        raise WKVError(f"rwkv_clip: head size N={N} is not supported by the CUDA WKV kernel "
-                     f"(expected a multiple of 4 between 4 and {CUDA_MAX_HEAD_SIZE})")
+        return (f"head size N={N} is not supported by the CUDA WKV kernel (expected a "
+                f"multiple of 4 between 4 and {CUDA_MAX_HEAD_SIZE})")
+    return None
+
+
+def chunked_head_size_problem(N: int) -> str | None:
+    """Why the chunked (Triton) kernel cannot take head size N: its channel blocks are
+    16 or 32 wide (:func:`rwkv_clip.ops.wkv_chunked.channel_block`)."""
+    if N % 16 != 0:
+        return (f"head size N={N} is not supported by the chunked CUDA WKV kernel "
+                "(expected a multiple of 16)")
+    return None
+
+
+def check_cuda_head_size(N: int) -> None:
+    problem = cuda_head_size_problem(N)
+    if problem is not None:
+        raise WKVError(f"rwkv_clip: {problem}")
 
 
 _env_overrides: dict[str, str | None] = {}
@@ -73,12 +89,11 @@ def reset_env_overrides() -> None:
 
 
 def resolve_cuda_variant(variant: str | None = None) -> str:
-    """The CUDA WKV kernel: ``variant``, else ``$RWKV_CLIP_WKV_CUDA_VARIANT``, else the
-    default; an unknown name is a :class:`WKVError` naming the allowed ones."""
-    choice = variant or env_override(CUDA_VARIANT_ENV_VAR) or DEFAULT_CUDA_VARIANT
+    """The CUDA WKV kernel: ``variant``, else the default; an unknown name is a
+    :class:`WKVError` naming the allowed ones."""
+    choice = variant or DEFAULT_CUDA_VARIANT
     if choice not in CUDA_VARIANTS + TRITON_CUDA_VARIANTS:
-        source = "argument" if variant else CUDA_VARIANT_ENV_VAR
-        raise WKVError(f"unknown CUDA WKV variant {choice!r} (from {source}); expected one of "
+        raise WKVError(f"unknown CUDA WKV variant {choice!r}; expected one of "
                        f"{', '.join(CUDA_VARIANTS + TRITON_CUDA_VARIANTS)}")
     return choice
 

@@ -120,8 +120,8 @@ def run_native(backend: str, r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tens
                variant: str | None = None) -> Tensor:
     """Run the native kernel of ``backend`` ("cpu" or "cuda"); returns float32 (B, T, C).
 
-    ``variant`` picks the CUDA kernel (default: ``$RWKV_CLIP_WKV_CUDA_VARIANT``, read
-    once, else the default, ``fast``)."""
+    ``variant`` picks the CUDA kernel (default ``fast``). The model calls the kernels
+    through the dispatch table (:mod:`.dispatch`); this is the direct way in."""
     if backend == "cpu":
         return wkv6_forward(r, k, v, w, u)
     if backend == "cuda":

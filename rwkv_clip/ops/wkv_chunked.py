@@ -16,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..errors import WKVError
+from .build import chunked_head_size_problem
 
 CHUNK = 16  # tokens per chunk: the smallest tile tl.dot takes, so the exponents stay short
 # products of fp32 operands on tensor cores: each operand split into two tf32 parts, three
@@ -31,10 +32,10 @@ def channel_block(N: int) -> int:
     no head size is padded to a power of two."""
     if N % 32 == 0:
         return 32
-    if N % 16 == 0:
-        return 16
-    raise WKVError(f"rwkv_clip: head size N={N} is not supported by the chunked CUDA WKV "
-                   "kernel (expected a multiple of 16)")
+    problem = chunked_head_size_problem(N)
+    if problem is not None:
+        raise WKVError(f"rwkv_clip: {problem}")
+    return 16
 
 
 @triton.jit

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import os
 import random
 import signal
@@ -44,7 +45,7 @@ from ..factory import build_model
 from ..lora import LoraSettings, add_adapters, parameter_counts
 from ..loss import ClipLoss, SigLipLoss
 from ..model import get_model
-from ..ops import check_wkv_environment, describe_wkv, prepare_wkv_kernel
+from ..ops import check_wkv_environment, describe_wkv, dispatch, prepare_wkv_kernel
 from ..precision import get_precision
 from ..pretrained import load_weights
 from . import checkpoint as ckpt_io
@@ -135,6 +136,7 @@ def main(args) -> dict[str, Any]:
         if info.is_master:  # before any work: a run that cannot save is not started
             ckpt_io.check_writable(args.output)
         log = setup_logging(args.output, info.rank, args.log_format)
+        dispatch.set_reporter(log.info, log.warning)  # the table's choice lines in the log
         watch.log = log
         watch.outcome = functools.partial(lost_rank_outcome, args.output)
         resume_after_restart(args, log)
@@ -153,7 +155,19 @@ def main(args) -> dict[str, Any]:
             gc.collect()  # DDP reducers must be gone before the group is destroyed
             watch.close("done" if finished else "interrupted")  # before the final barrier
             cleanup_distributed(info, synchronize=finished)
+            if info.is_master:
+                save_dispatch_choices(args.output)
+            dispatch.set_reporter()
             close_logging()
+
+
+def save_dispatch_choices(output: str) -> None:
+    """The dispatch table's choices of this run, ``OUTPUT/dispatch.json`` (what ran, and
+    what ``rwkv_clip.ops.dispatch.pin`` takes to run it again)."""
+    chosen = dispatch.choices()
+    if chosen:
+        with open(os.path.join(output, "dispatch.json"), "w") as f:
+            json.dump(chosen, f, indent=1, sort_keys=True)
 
 
 def resume_after_restart(args, log) -> None:

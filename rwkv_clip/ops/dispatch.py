@@ -1,0 +1,516 @@
+"""The dispatch table: for each fast op, its implementations, the reference each is
+checked against, and the one function that chooses among them (:func:`choose`).
+
+An :class:`Op` states its reference, how to make small check inputs, the tolerance per
+dtype and its shape class (what a choice depends on besides device and dtype). An
+:class:`Implementation` is a callable with the op's signature and a ``supports(device,
+dtype, shape)`` that returns None or the reason it cannot run.
+
+For one (op, device, dtype, shape class) the choice is, first that applies:
+
+1. a pinned name: the caller's argument, ``$RWKV_CLIP_DISPATCH`` (a debugging override,
+   ``op=name[,op=name]``), or :func:`pin`;
+2. the choice already made in this process;
+3. the on-disk cache (``<kernel cache>/dispatch.json``, :func:`cache_key`);
+4. ``auto``: each supported candidate is checked against the reference at a small shape
+   (forward and gradients; one line names a candidate that raises or misses and drops
+   it), the survivors are timed at the real shape (the reference only when nothing
+   else survives), the fastest is cached on disk.
+
+Each choice is reported once per process in one line (:func:`set_reporter`), e.g.
+``wkv: cuda-fast (0.11 ms) over chunked (0.2 ms), bfloat16, T=197 N=64``; :func:`choices` returns
+them for the run folder. Nothing is timed or read at import.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError, RWKVCLIPError
+from .cache import cache_root
+
+OVERRIDE_ENV_VAR = "RWKV_CLIP_DISPATCH"
+AUTO = "auto"  # as a pin: no pin, the table chooses
+CACHE_FILE = "dispatch.json"
+CACHE_FORMAT = 1  # bump when a record's layout or the key's contents change
+TIMED_ITERATIONS = 3
+# a candidate whose first timed run is this many times slower than the best so far is
+# not run again: its one run is its time (the reference can be very slow at full size)
+GIVE_UP_FACTOR = 20.0
+
+ShapeClass = Mapping[str, int]
+Supports = Callable[[torch.device, torch.dtype, ShapeClass], "str | None"]
+
+
+class DispatchError(ConfigError):
+    """An unknown op name in the table, its override or its pins."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way to compute an op. ``device_types``: where it can run at all (the default
+    under ``torch.compile`` tracing, where nothing is checked or timed); ``supports``:
+    the full test for one call; ``takes_float64``: whether it is checked on float64
+    inputs (else on the call's dtype)."""
+
+    name: str
+    fn: Callable[..., Tensor]
+    supports: Supports
+    device_types: tuple[str, ...]
+    takes_float64: bool = True
+
+
+@dataclass
+class Op:
+    """An op of the table. ``tolerance``: per check dtype, the largest error allowed
+    relative to the largest magnitude of the reference's result (forward and each
+    gradient). ``aliases``: other names accepted for a pin, per device type."""
+
+    name: str
+    reference: Callable[..., Tensor]
+    check_inputs: Callable[[torch.device, torch.dtype], Sequence[Tensor]]
+    tolerance: Mapping[torch.dtype, float]
+    shape_class: Callable[..., dict[str, int]]
+    error: type[RWKVCLIPError] = ConfigError
+    aliases: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    implementations: dict[str, Implementation] = field(default_factory=dict)
+
+    def register(self, impl: Implementation) -> Implementation:
+        """Add ``impl``; the order of registration is the default order under tracing."""
+        self.implementations[impl.name] = impl
+        return impl
+
+    def allowed_names(self) -> list[str]:
+        return [AUTO, *self.implementations,
+                *(a for a in self.aliases if a not in self.implementations)]
+
+    def resolve(self, name: str, device_type: str | None = None, source: str = "argument") -> str:
+        """The implementation ``name`` (or an alias, on ``device_type``) stands for."""
+        if name in self.implementations:
+            return name
+        if name in self.aliases:
+            target = self.aliases[name].get(device_type or "", "")
+            if not target:  # an alias with nothing on this device: its first target
+                target = next(iter(self.aliases[name].values()))
+            return target
+        raise self.error(f"unknown {self.name} implementation {name!r} (from {source}); "
+                         f"expected one of {', '.join(self.allowed_names())}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One decision: which implementation runs, how it was decided (``auto``, ``cache``,
+    ``pinned``, ``override``, ``traced``), and the times (ms) it was decided on."""
+
+    op: str
+    implementation: str
+    device: str
+    dtype: str
+    shape: str
+    how: str
+    times_ms: Mapping[str, float] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """``wkv: cuda-fast (0.11 ms) over chunked (0.2 ms), bfloat16, T=197 N=64``."""
+        def ms(name: str) -> str:
+            return f"{self.times_ms[name]:.3g} ms"
+        if self.implementation in self.times_ms:
+            cached = ", cached" if self.how == "cache" else ""
+            head = f"{self.implementation} ({ms(self.implementation)}{cached})"
+            others = [f"{n} ({ms(n)})" for n in sorted(self.times_ms, key=self.times_ms.__getitem__)
+                      if n != self.implementation]
+            if others:
+                head += " over " + ", ".join(others)
+        else:
+            head = f"{self.implementation} ({self.how})"
+        return f"{self.op}: {head}, {self.dtype}, {self.shape}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "implementation": self.implementation, "device": self.device,
+                "dtype": self.dtype, "shape": self.shape, "how": self.how,
+                "times_ms": dict(self.times_ms)}
+
+
+TABLE: dict[str, Op] = {}
+_pins: dict[str, str] = {}
+_override: dict[str, str] | None = None      # $RWKV_CLIP_DISPATCH, parsed once
+_memo: dict[str, Choice] = {}                # one per (op, device, dtype, shape class)
+_by_device_type: dict[str, str] = {}         # "op:cpu" -> the last choice there (tracing)
+_checked: dict[tuple[str, str, str, str], str | None] = {}
+_reported: set[str] = set()
+counters = {"checked": 0, "timed": 0}
+
+
+def _print_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+_report: Callable[[str], None] = _print_line
+_warn: Callable[[str], None] = _print_line
+
+
+def set_reporter(info: Callable[[str], None] | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
+    """Where the choice lines (``info``) and the dropped-candidate lines (``warn``) go;
+    None: standard error."""
+    global _report, _warn
+    _report = info or _print_line
+    _warn = warn or info or _print_line
+
+
+def register_op(op: Op) -> Op:
+    TABLE[op.name] = op
+    return op
+
+
+def get_op(name: str) -> Op:
+    try:
+        return TABLE[name]
+    except KeyError:
+        raise DispatchError(f"unknown op {name!r} in the dispatch table; expected one of "
+                            f"{', '.join(TABLE)}") from None
+
+
+# --------------------------------------------------------------------------- pins
+def parse_pins(text: str, source: str) -> dict[str, str]:
+    """``"wkv=reference,glue=triton"`` -> {"wkv": "reference", ...}, every name checked."""
+    pins: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        op_name, sep, impl = (s.strip() for s in item.partition("="))
+        if not sep or not impl:
+            raise DispatchError(f"{source}: {item!r} is not op=implementation (ops: "
+                                f"{', '.join(TABLE)})")
+        try:
+            op = TABLE[op_name]
+        except KeyError:
+            raise DispatchError(f"{source}: unknown op {op_name!r}; expected one of "
+                                f"{', '.join(TABLE)}") from None
+        if impl != AUTO:
+            op.resolve(impl, source=source)
+            pins[op_name] = impl
+    return pins
+
+
+# variables whose choice RWKV_CLIP_DISPATCH makes: set, they stop the run rather than be
+# ignored
+REPLACED_ENV_VARS = {"RWKV_CLIP_WKV_BACKEND": "wkv=reference|cpu|cuda-fast|...",
+                     "RWKV_CLIP_WKV_CUDA_VARIANT": "wkv=cuda-fast|cuda-faithful|chunked"}
+
+
+def override() -> dict[str, str]:
+    """``$RWKV_CLIP_DISPATCH``, read and checked once per process."""
+    global _override
+    if _override is None:
+        for name, instead in REPLACED_ENV_VARS.items():
+            if os.environ.get(name):
+                raise DispatchError(f"{name} is not read; set {OVERRIDE_ENV_VAR}={instead} "
+                                    f"instead (docs/wkv.md)")
+        _override = parse_pins(os.environ.get(OVERRIDE_ENV_VAR, ""), OVERRIDE_ENV_VAR)
+    return _override
+
+
+def pin(choices: Mapping[str, str] | str) -> None:
+    """Pin implementations for every later call (``{"wkv": "cpu"}`` or ``"wkv=cpu"``),
+    e.g. the choices a run stored, for a reproducible run; ``{}`` clears the pins."""
+    text = choices if isinstance(choices, str) else ",".join(f"{k}={v}" for k, v in choices.items())
+    pins = parse_pins(text, "pin")
+    _pins.clear()
+    _pins.update(pins)
+    _memo.clear()
+
+
+def pins() -> dict[str, str]:
+    """The pins set by :func:`pin` (op -> implementation)."""
+    return dict(_pins)
+
+
+def reset() -> None:
+    """Forget every choice, check, pin, report and the override (read again next time)."""
+    global _override
+    _override = None
+    for d in (_pins, _memo, _by_device_type, _checked):
+        d.clear()
+    _reported.clear()
+    counters.update(checked=0, timed=0)
+
+
+def choices() -> dict[str, dict[str, Any]]:
+    """The choices made so far in this process, by ``"op dtype shape"``."""
+    return {f"{c.op} {c.device} {c.dtype} {c.shape}": c.as_dict()
+            for c in _memo.values()}
+
+
+# ----------------------------------------------------------------------- cache key
+def device_name(device: torch.device) -> str:
+    """What a timing depends on: the CPU's model and the level the kernels run at; the
+    GPU's name, driver and CUDA version."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        from ..cpu_isa import cpu_info
+        info = cpu_info()
+        return f"cpu {info.model or info.arch} {info.level}"
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: "?")()
+        return (f"cuda {torch.cuda.get_device_name(index)} driver {driver} "
+                f"CUDA {torch.version.cuda}")
+    return device.type
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def shape_text(shape: ShapeClass) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items())
+
+
+def cache_key(op: str, device: str, dtype: torch.dtype, shape: ShapeClass) -> str:
+    """The on-disk key: device name (:func:`device_name`), torch version, op, dtype,
+    shape class."""
+    return " | ".join((device, f"torch {torch.__version__}", op, _dtype_name(dtype),
+                       shape_text(shape)))
+
+
+def cache_path():
+    return cache_root() / CACHE_FILE
+
+
+def _read_cache() -> dict[str, Any]:
+    try:
+        data = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
+        return {}
+    entries = data.get("choices")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(key: str, record: dict[str, Any]) -> None:
+    """Add one record; temp file + ``os.replace``, so a reader never sees half a file.
+    A cache that cannot be written costs a new measurement next time, nothing else."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = _read_cache()
+        entries[key] = record
+        fd, tmp = tempfile.mkstemp(prefix=".dispatch-", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": CACHE_FORMAT, "choices": entries}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _warn(f"dispatch: cannot write {path} ({exc}); the choice is measured again next run")
+
+
+# --------------------------------------------------------------------------- checks
+def _relative_error(a: Tensor, b: Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+def _outputs_and_grads(fn: Callable[..., Tensor], xs: Sequence[Tensor], gy: Tensor):
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
+    y = fn(*leaves)
+    wants = [x for x in leaves if x.requires_grad]
+    grads = torch.autograd.grad(y, wants, gy.to(y.dtype), allow_unused=True)
+    return y, [torch.zeros_like(x) if g is None else g for x, g in zip(wants, grads, strict=True)]
+
+
+def check(op: Op, impl: Implementation, device: torch.device, dtype: torch.dtype) -> str | None:
+    """None if ``impl`` matches ``op``'s reference at the small check shape (forward and
+    gradients, within ``op.tolerance``), else why not. Once per process."""
+    check_dtype = torch.float64 if impl.takes_float64 else dtype
+    key = (op.name, impl.name, str(device), str(check_dtype))
+    if key in _checked:
+        return _checked[key]
+    counters["checked"] += 1
+    tolerance = op.tolerance[check_dtype]
+    problem: str | None = None
+    try:
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            xs = list(op.check_inputs(device, check_dtype))
+            exact = [x.double() for x in xs]
+            gen = torch.Generator(device="cpu").manual_seed(1)
+            y_ref0 = op.reference(*exact)
+            gy = torch.randn(y_ref0.shape, generator=gen, dtype=torch.float64).to(device)
+            y_ref, g_ref = _outputs_and_grads(op.reference, exact, gy)
+            y, g = _outputs_and_grads(impl.fn, xs, gy)
+        if tuple(y.shape) != tuple(y_ref.shape):
+            problem = f"output shape {tuple(y.shape)}, expected {tuple(y_ref.shape)}"
+        else:
+            errors = {"output": _relative_error(y, y_ref)}
+            errors.update({f"gradient {i}": _relative_error(a, b)
+                           for i, (a, b) in enumerate(zip(g, g_ref, strict=True))})
+            worst = max(errors, key=errors.__getitem__)
+            if not errors[worst] <= tolerance:  # NaN fails too
+                problem = (f"{worst} differs from the reference by {errors[worst]:.2e} "
+                           f"(tolerance {tolerance:.0e}, {_dtype_name(check_dtype)})")
+    except Exception as exc:  # any failure drops the candidate, with its reason
+        problem = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    _checked[key] = problem
+    return problem
+
+
+def _time(impl: Implementation, args: Sequence[Any], needs_grad: bool, budget_ms: float) -> float:
+    """Median milliseconds of ``impl`` on copies of ``args`` (forward and backward when
+    gradients are needed)."""
+    counters["timed"] += 1
+    device = next(a.device for a in args if isinstance(a, Tensor))
+    xs = [a.detach().requires_grad_(needs_grad and a.requires_grad) if isinstance(a, Tensor)
+          else a for a in args]
+
+    def once() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with torch.set_grad_enabled(needs_grad):
+            y = impl.fn(*xs)
+            if needs_grad:
+                leaves = [x for x in xs if isinstance(x, Tensor) and x.requires_grad]
+                torch.autograd.grad(y, leaves, torch.ones_like(y), allow_unused=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) * 1e3
+
+    first = once()  # warm-up (first-use builds, caches); also the give-up test
+    if first > budget_ms:
+        return first
+    times = sorted(once() for _ in range(TIMED_ITERATIONS))
+    return times[len(times) // 2]
+
+
+def _same(x: Tensor) -> Tensor:
+    return x
+
+
+def _auto(op: Op, args: Sequence[Any], device: torch.device, dtype: torch.dtype,
+          shape: ShapeClass) -> dict[str, float]:
+    survivors = []
+    for impl in op.implementations.values():
+        if impl.supports(device, dtype, shape) is not None:
+            continue
+        problem = check(op, impl, device, dtype)
+        if problem is None:
+            survivors.append(impl)
+        elif f"{op.name} {impl.name} {problem}" not in _reported:
+            _reported.add(f"{op.name} {impl.name} {problem}")
+            _warn(f"dispatch: {op.name}: dropped {impl.name}: {problem}")
+    if any(impl.fn is not op.reference for impl in survivors):
+        # the reference is the oracle, not a contender: timing it at the real shape (a
+        # long image sequence) costs seconds and memory for a result known in advance
+        survivors = [impl for impl in survivors if impl.fn is not op.reference]
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(a, Tensor) and a.requires_grad for a in args)
+    times: dict[str, float] = {}
+    for impl in survivors:
+        best = min(times.values(), default=float("inf"))
+        try:
+            times[impl.name] = _time(impl, args, needs_grad, best * GIVE_UP_FACTOR)
+        except Exception as exc:  # runs at the small shape, fails at the real one
+            _warn(f"dispatch: {op.name}: dropped {impl.name}: raised {type(exc).__name__} at "
+                  f"{shape_text(shape)}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    if not times:
+        raise op.error(f"no {op.name} implementation runs {dtype} on {device} at "
+                       f"{shape_text(shape)}; candidates: {', '.join(op.implementations)}")
+    return times
+
+
+# ------------------------------------------------------------------------ choosing
+def _remember(choice: Choice, memo_key: str, device_type: str) -> None:
+    _memo[memo_key] = choice
+    _by_device_type[f"{choice.op}:{device_type}"] = choice.implementation
+    said = f"{memo_key}|{choice.implementation}|{choice.how}"
+    if said not in _reported:  # once per process, again only if the choice changes
+        _reported.add(said)
+        _report(choice.line())
+
+
+def _abstract(args: Sequence[Any]) -> bool:
+    """Meta or fake tensors (shape propagation, the memory planner): nothing to time."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return any(isinstance(a, FakeTensor) or (isinstance(a, Tensor) and a.device.type == "meta")
+               for a in args)
+
+
+def _traced(op: Op, device: torch.device, pinned: str | None) -> Implementation:
+    """Under ``torch.compile`` tracing, and on meta or fake tensors, nothing is checked
+    or timed: a pin, else the last choice made on this device type in eager, else the
+    first implementation registered for it that is not the reference (for a device no
+    implementation names, such as meta, the first registered that is not the reference:
+    its fake implementation gives the shapes)."""
+    name = pinned or override().get(op.name) or _pins.get(op.name)
+    if name:
+        return op.implementations[op.resolve(name, device.type)]
+    last = _by_device_type.get(f"{op.name}:{device.type}")
+    if last is not None:
+        return op.implementations[last]
+    others = [impl for impl in op.implementations.values() if impl.fn is not op.reference]
+    for impl in others:
+        if device.type in impl.device_types:
+            return impl
+    return (others or list(op.implementations.values()))[0]
+
+
+def choose(op_name: str, args: Sequence[Any], pinned: str | None = None) -> Implementation:
+    """The implementation of ``op_name`` for a call with ``args`` (the device and dtype
+    of ``args[0]``, a tensor; the op's shape class); ``pinned``: a name (or alias) to use,
+    ``"auto"`` or None to let the table choose."""
+    op = TABLE[op_name]
+    device, dtype = args[0].device, args[0].dtype
+    if pinned == AUTO:
+        pinned = None
+    if torch.compiler.is_compiling() or _abstract(args):
+        return _traced(op, device, pinned)
+    shape = op.shape_class(*args)
+    memo_key = f"{op.name}|{device}|{dtype}|{shape_text(shape)}"
+    sources = (("argument", pinned), (OVERRIDE_ENV_VAR, override().get(op.name)),
+               ("pin", _pins.get(op.name)))
+    source, name = next(((s, n) for s, n in sources if n), ("", None))
+    if name is not None:
+        impl = op.implementations[op.resolve(name, device.type, source)]
+        reason = impl.supports(device, dtype, shape)
+        if reason is not None:
+            raise op.error(f"{op.name} implementation {impl.name!r} (from {source}) cannot run "
+                           f"here: {reason}")
+        how = "override" if source == OVERRIDE_ENV_VAR else "pinned"
+        if _memo.get(memo_key, None) is None or _memo[memo_key].implementation != impl.name:
+            _remember(Choice(op.name, impl.name, str(device), _dtype_name(dtype), shape_text(shape), how),
+                      memo_key, device.type)
+        return impl
+    known = _memo.get(memo_key)
+    if known is not None and known.how not in ("pinned", "override"):
+        return op.implementations[known.implementation]
+    disk_key = cache_key(op.name, device_name(device), dtype, shape)
+    record = _read_cache().get(disk_key)
+    if (isinstance(record, dict) and record.get("implementation") in op.implementations
+            and op.implementations[record["implementation"]].supports(device, dtype, shape)
+            is None):
+        choice = Choice(op.name, record["implementation"], str(device), _dtype_name(dtype),
+                        shape_text(shape), "cache", dict(record.get("times_ms", {})))
+    else:
+        # the caller's saved-tensor hooks (memory counts, activation offload) must not
+        # see the measuring runs: identity hooks, innermost, shadow them
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            times = _auto(op, args, device, dtype, shape)
+        winner = min(times, key=times.__getitem__)
+        choice = Choice(op.name, winner, str(device), _dtype_name(dtype), shape_text(shape), "auto",
+                        times)
+        _write_cache(disk_key, {"implementation": winner, "times_ms": times})
+    _remember(choice, memo_key, device.type)
+    return op.implementations[choice.implementation]
+
+
+__all__ = ["CACHE_FILE", "OVERRIDE_ENV_VAR", "REPLACED_ENV_VARS", "TABLE", "Choice", "DispatchError",
+           "Implementation", "Op", "cache_key", "cache_path", "check", "choices", "choose",
+           "counters", "device_name", "get_op", "override", "parse_pins", "pin", "pins",
+           "register_op", "reset", "set_reporter"]

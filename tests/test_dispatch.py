@@ -1,0 +1,276 @@
+"""The dispatch table (rwkv_clip.ops.dispatch): ``auto`` checks each candidate against
+the reference, drops the ones that raise or miss with one line each, times the rest,
+caches the winner on disk and reports it once; pins and the override win; the WKV op
+goes through it. A test-only op in the same table stands for an op with bad candidates."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from rwkv_clip.errors import WKVError
+from rwkv_clip.ops import WKV, dispatch, wkv6_bidirectional, wkv6_bidirectional_reference
+from rwkv_clip.ops.dispatch import DispatchError, Implementation, Op
+
+OP = "test-double"
+
+
+def _on_cpu(device, dtype, shape):
+    return None if device.type == "cpu" else f"needs CPU tensors, got {device}"
+
+
+def _good(x):
+    return x * torch.full_like(x, 2.0)  # saves a tensor for backward
+
+
+def _slow(x):
+    time.sleep(0.02)
+    return x * 2
+
+
+def _raises(x):
+    raise RuntimeError("no kernel for this machine")
+
+
+def _wrong(x):
+    return x * 2.1
+
+
+def _check_inputs(device, dtype):
+    return [torch.linspace(-1, 1, 16, device=device, dtype=dtype)]
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """A test-only op with a good, a slow, a raising and a wrong implementation (the
+    bad ones fastest), a fresh cache folder, and the lines the table reports."""
+    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
+    op = dispatch.register_op(Op(
+        name=OP, reference=lambda x: 2 * x, check_inputs=_check_inputs,
+        tolerance={torch.float64: 1e-9, torch.float32: 1e-6, torch.bfloat16: 1e-2},
+        shape_class=lambda x: {"n": int(x.shape[-1])}))
+    for name, fn in (("good", _good), ("slow", _slow), ("raises", _raises), ("wrong", _wrong)):
+        op.register(Implementation(name, fn, _on_cpu, ("cpu",)))
+    lines: dict[str, list[str]] = {"info": [], "warn": []}
+    dispatch.reset()
+    dispatch.set_reporter(lines["info"].append, lines["warn"].append)
+    yield lines
+    dispatch.set_reporter()
+    dispatch.reset()
+    dispatch.TABLE.pop(OP)
+
+
+def _x(n=64):
+    return torch.randn(3, n, requires_grad=True)
+
+
+def test_auto_checks_times_caches_and_a_fresh_process_reads_the_cache(table, tmp_path):
+    impl = dispatch.choose(OP, (_x(),))
+    assert impl.name == "good"
+    assert dispatch.counters == {"checked": 4, "timed": 2}  # raises, wrong: never timed
+    assert len(table["info"]) == 1
+    line = table["info"][0]
+    assert line.startswith(f"{OP}: good (") and " over slow (" in line
+    assert line.endswith(", float32, n=64") and "cached" not in line
+    stored = json.loads((tmp_path / "cache" / dispatch.CACHE_FILE).read_text())
+    (key, record), = stored["choices"].items()
+    assert key == dispatch.cache_key(OP, dispatch.device_name(torch.device("cpu")),
+                                     torch.float32, {"n": 64})
+    assert record["implementation"] == "good" and set(record["times_ms"]) == {"good", "slow"}
+
+    dispatch.reset()  # what a new process starts from: the disk cache only
+    assert dispatch.choose(OP, (_x(),)).name == "good"
+    assert dispatch.counters == {"checked": 0, "timed": 0}
+    assert table["info"][-1].startswith(f"{OP}: good (") and ", cached)" in table["info"][-1]
+    assert dispatch.choices()[f"{OP} cpu float32 n=64"]["how"] == "cache"
+
+
+def test_a_candidate_that_raises_or_misses_is_dropped_with_one_line(table):
+    for n in (8, 64, 64, 9):
+        assert dispatch.choose(OP, (_x(n),)).name == "good"
+    warn = table["warn"]
+    assert len(warn) == 2, warn
+    raised, = (w for w in warn if "raises" in w)
+    assert raised == (f"dispatch: {OP}: dropped raises: raised RuntimeError: no kernel for this "
+                      "machine")
+    wrong, = (w for w in warn if "wrong" in w)
+    assert wrong.startswith(f"dispatch: {OP}: dropped wrong: output differs from the reference "
+                            "by 5.00e-02 (tolerance 1e-09, float64)")
+    assert {c["implementation"] for c in dispatch.choices().values()} == {"good"}
+
+
+def test_the_choice_line_is_printed_once_per_process(table):
+    for _ in range(3):
+        dispatch.choose(OP, (_x(16),))
+    dispatch.choose(OP, (_x(32),))  # another shape class: its own choice and line
+    assert [ln.split(" (")[0] for ln in table["info"]] == [f"{OP}: good", f"{OP}: good"]
+    assert [ln.rsplit(", ", 1)[1] for ln in table["info"]] == ["n=16", "n=32"]
+    assert dispatch.counters["timed"] == 4  # good and slow, once per shape class
+
+
+def test_pins_and_the_override_choose_without_timing(table, monkeypatch):
+    assert dispatch.choose(OP, (_x(),), pinned="slow").name == "slow"
+    dispatch.pin({OP: "wrong"})  # a pin is trusted: nothing checked
+    assert dispatch.choose(OP, (_x(),)).name == "wrong"
+    assert dispatch.pins() == {OP: "wrong"}
+    assert table["info"] == [f"{OP}: slow (pinned), float32, n=64",
+                             f"{OP}: wrong (pinned), float32, n=64"]
+    dispatch.pin(f"{OP}=auto")
+    monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, f"{OP}=slow")
+    dispatch.reset()
+    table["info"].clear()
+    assert dispatch.choose(OP, (_x(),)).name == "slow"
+    assert dispatch.counters == {"checked": 0, "timed": 0}
+    assert table["info"] == [f"{OP}: slow (override), float32, n=64"]
+
+
+def test_an_unknown_name_is_one_clear_error(table, monkeypatch):
+    with pytest.raises(DispatchError, match=f"unknown op 'nope'; expected one of .*{OP}"):
+        dispatch.pin({"nope": "good"})
+    with pytest.raises(Exception, match=(f"unknown {OP} implementation 'fast' \\(from pin\\); "
+                                         "expected one of auto, good, slow, raises, wrong")):
+        dispatch.pin({OP: "fast"})
+    monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, "wkv=fastest")
+    dispatch.reset()
+    with pytest.raises(WKVError, match="unknown wkv implementation 'fastest' .*cpu, reference"):
+        dispatch.override()
+    monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, "wkv")
+    dispatch.reset()
+    with pytest.raises(DispatchError, match="'wkv' is not op=implementation"):
+        dispatch.override()
+    monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR)
+    dispatch.reset()
+    with pytest.raises(WKVError, match="'cuda-fast' .* cannot run here: needs CUDA tensors"):
+        wkv6_bidirectional(*(torch.randn(1, 3, 4) for _ in range(4)), torch.randn(1, 4),
+                           backend="cuda-fast")
+
+
+def test_the_cache_key_follows_device_torch_version_and_shape_class(table, monkeypatch):
+    from rwkv_clip import cpu_isa
+    cpu = torch.device("cpu")
+    dispatch.choose(OP, (_x(),))
+    assert dispatch.counters["timed"] == 2
+    dispatch.reset()
+    monkeypatch.setattr(torch, "__version__", "99.0")  # another torch: measured again
+    dispatch.choose(OP, (_x(),))
+    assert dispatch.counters["timed"] == 2
+    dispatch.reset()
+    dispatch.choose(OP, (_x(65),))  # another shape class: measured again
+    assert dispatch.counters["timed"] == 2
+    keys = {dispatch.cache_key(OP, dispatch.device_name(cpu), dt, {"n": 64})
+            for dt in (torch.float32, torch.bfloat16)}
+    assert len(keys) == 2
+    if cpu_isa.cpu_info().hardware_level != "base":  # the same CPU capped: another key
+        uncapped = dispatch.device_name(cpu)
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+        assert dispatch.device_name(cpu) != uncapped and dispatch.device_name(cpu).endswith("base")
+
+
+def test_the_measuring_runs_are_hidden_from_the_callers_saved_tensor_hooks(table):
+    """A memory count or an offload policy around the first call sees that call only."""
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+    x = _x()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        impl = dispatch.choose(OP, (x,))
+        assert dispatch.counters["timed"] == 2 and packed == []
+        impl.fn(x)
+    assert packed == [x.shape]
+
+
+def test_under_compile_nothing_is_timed_and_the_graph_is_whole(table):
+    def double(x):
+        return dispatch.choose(OP, (x,)).fn(x)
+
+    import torch._dynamo
+    torch._dynamo.reset()
+    x = torch.randn(4, 8)
+    y = torch.compile(double, backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(y, 2 * x)  # the first registered: good
+    assert dispatch.counters == {"checked": 0, "timed": 0} and table["info"] == []
+
+
+@pytest.mark.parametrize("dtype, grad_tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_wkv_through_the_table_matches_the_reference(dtype, grad_tol, tmp_path, monkeypatch):
+    monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
+    dispatch.reset()
+    lines: list[str] = []
+    dispatch.set_reporter(lines.append)
+    try:
+        g = torch.Generator().manual_seed(0)
+        B, T, H, N = 2, 7, 2, 16
+        r, k, v = (torch.randn(B, T, H * N, generator=g) for _ in range(3))
+        w = torch.randn(B, T, H * N, generator=g) * 0.7 - 1.5
+        u = torch.randn(H, N, generator=g) * 0.5
+        xs = [x.to(dtype).requires_grad_() for x in (r, k, v, w, u)]
+        y = wkv6_bidirectional(*xs)
+        gy = torch.randn(y.shape, generator=g)
+        grads = torch.autograd.grad(y, xs, gy)
+        exact = [x.detach().double().requires_grad_() for x in xs]
+        y_ref = wkv6_bidirectional_reference(*exact)
+        ref_grads = torch.autograd.grad(y_ref, exact, gy.double())
+
+        def rel(a, b):
+            return float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max())
+        assert rel(y, y_ref) <= 1e-5
+        for a, b, x in zip(grads, ref_grads, xs, strict=True):
+            assert a.dtype == x.dtype and rel(a, b) <= grad_tol
+        chosen, = dispatch.choices().values()
+        assert chosen["op"] == "wkv" and chosen["implementation"] in ("cpu", "reference")
+        assert lines and lines[0].startswith(f"wkv: {chosen['implementation']} (")
+        assert lines[0].endswith(f", {str(dtype)[6:]}, T={T} N={N}")
+    finally:
+        dispatch.set_reporter()
+        dispatch.reset()
+
+
+def test_every_wkv_implementation_states_where_it_runs():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    shape = {"T": 49, "N": 64}
+    names = {n: i.supports(cpu, torch.float32, shape) for n, i in WKV.implementations.items()}
+    assert names["cpu"] is None and names["reference"] is None
+    assert all("CUDA tensors" in names[n] or "Triton" in names[n]
+               for n in ("cuda-fast", "cuda-faithful", "chunked"))
+    assert WKV.implementations["cpu"].supports(cuda, torch.float32, shape) is not None
+    assert "N=256" not in (WKV.implementations["cuda-fast"].supports(
+        cuda, torch.bfloat16, {"T": 3, "N": 256}) or "")
+    assert "N=260" in WKV.implementations["cuda-fast"].supports(cuda, torch.float32,
+                                                                {"T": 3, "N": 260})
+    assert WKV.resolve("cuda", "cuda") == "cuda-fast"  # the old backend name
+    assert dispatch.check(WKV, WKV.implementations["reference"], cpu, torch.float32) is None
+
+
+def test_the_reference_is_timed_only_when_nothing_else_passes(tmp_path, monkeypatch):
+    monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatch, "cache_path", lambda: tmp_path / "dispatch.json")
+    dispatch.reset()
+    dispatch.set_reporter(lambda line: None)
+    try:
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(1, 5, 32, generator=g) for _ in range(4)]
+        wkv6_bidirectional(*xs, torch.randn(2, 16, generator=g))
+        chosen, = dispatch.choices().values()
+        assert chosen["implementation"] == "cpu" and set(chosen["times_ms"]) == {"cpu"}
+        assert dispatch.counters == {"checked": 2, "timed": 1}
+    finally:
+        dispatch.set_reporter()
+        dispatch.reset()
+
+
+@pytest.mark.parametrize("name", sorted(dispatch.REPLACED_ENV_VARS))
+def test_a_replaced_variable_stops_the_run_naming_its_replacement(name, monkeypatch):
+    monkeypatch.setenv(name, "reference")
+    dispatch.reset()
+    try:
+        with pytest.raises(DispatchError, match=f"{name} is not read; set "
+                                                f"{dispatch.OVERRIDE_ENV_VAR}=wkv="):
+            dispatch.override()
+    finally:
+        monkeypatch.delenv(name)
+        dispatch.reset()
