@@ -30,6 +30,11 @@ class ConfigError(RWKVCLIPError, ValueError):
     """A model config that cannot build a model; the message names the key."""
 
 
+class DispatchError(ConfigError):
+    """An unknown op name in the dispatch table (rwkv_clip.ops.dispatch), its override or
+    its pins."""
+
+
 class CheckpointError(RWKVCLIPError, RuntimeError):
     """A checkpoint that cannot be loaded into the model; the message says why."""
 
@@ -188,7 +193,7 @@ def run_cli(main: Callable[[], int | None], prog: str | None = None) -> int:
         return EXIT_USER_ERROR
 
 
-__all__ = ["RWKVCLIPError", "ConfigError", "CheckpointError", "WKVError", "KernelBuildError",
+__all__ = ["RWKVCLIPError", "ConfigError", "DispatchError", "CheckpointError", "WKVError", "KernelBuildError",
            "KernelLockTimeoutError", "DataError", "DistributedError", "TrainArgsError",
            "TrainingError", "NonFiniteLossError", "ResumeError", "EvalError",
            "DatasetNotFoundError", "ImageReadError", "PeerRankError", "MeasurementError",

@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
-from ..errors import ConfigError, RWKVCLIPError
+from ..errors import ConfigError, DispatchError, RWKVCLIPError
 from .cache import cache_root
 
 OVERRIDE_ENV_VAR = "RWKV_CLIP_DISPATCH"
@@ -49,10 +50,6 @@ GIVE_UP_FACTOR = 20.0
 
 ShapeClass = Mapping[str, int]
 Supports = Callable[[torch.device, torch.dtype, ShapeClass], "str | None"]
-
-
-class DispatchError(ConfigError):
-    """An unknown op name in the table, its override or its pins."""
 
 
 @dataclass(frozen=True)
@@ -498,9 +495,11 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None) -> Impl
         choice = Choice(op.name, record["implementation"], str(device), _dtype_name(dtype),
                         shape_text(shape), "cache", dict(record.get("times_ms", {})))
     else:
-        # the caller's saved-tensor hooks (memory counts, activation offload) must not
-        # see the measuring runs: identity hooks, innermost, shadow them
-        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        # the caller must not see the measuring runs: identity hooks, innermost, shadow
+        # its saved-tensor hooks (memory counts, activation offload), and its dispatch
+        # modes are set aside (a caching one, as in selective activation checkpointing,
+        # would replay their outputs in the recompute; a counting one would count them)
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same), _disable_current_modes():
             times = _auto(op, args, device, dtype, shape)
         winner = min(times, key=times.__getitem__)
         choice = Choice(op.name, winner, str(device), _dtype_name(dtype), shape_text(shape), "auto",
