@@ -246,21 +246,25 @@ def test_every_wkv_implementation_states_where_it_runs():
     assert dispatch.check(WKV, WKV.implementations["reference"], cpu, torch.float32) is None
 
 
-def test_the_reference_is_timed_only_when_nothing_else_passes(tmp_path, monkeypatch):
+@pytest.fixture
+def wkv_table(tmp_path, monkeypatch):
+    """The real table's WKV op, no override, a cache of the test's own, choice lines off."""
     monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
     monkeypatch.setattr(dispatch, "cache_path", lambda: tmp_path / "dispatch.json")
     dispatch.reset()
     dispatch.set_reporter(lambda line: None)
-    try:
-        g = torch.Generator().manual_seed(0)
-        xs = [torch.randn(1, 5, 32, generator=g) for _ in range(4)]
-        wkv6_bidirectional(*xs, torch.randn(2, 16, generator=g))
-        chosen, = dispatch.choices().values()
-        assert chosen["implementation"] == "cpu" and set(chosen["times_ms"]) == {"cpu"}
-        assert dispatch.counters == {"checked": 2, "timed": 1}
-    finally:
-        dispatch.set_reporter()
-        dispatch.reset()
+    yield dispatch
+    dispatch.set_reporter()
+    dispatch.reset()
+
+
+def test_the_reference_is_timed_only_when_nothing_else_passes(wkv_table):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, 5, 32, generator=g) for _ in range(4)]
+    wkv6_bidirectional(*xs, torch.randn(2, 16, generator=g))
+    chosen, = dispatch.choices().values()
+    assert chosen["implementation"] == "cpu" and set(chosen["times_ms"]) == {"cpu"}
+    assert dispatch.counters == {"checked": 2, "timed": 1}
 
 
 @pytest.mark.parametrize("name", sorted(dispatch.REPLACED_ENV_VARS))
@@ -276,8 +280,7 @@ def test_a_replaced_variable_stops_the_run_naming_its_replacement(name, monkeypa
         dispatch.reset()
 
 
-def test_a_first_choice_inside_selective_checkpointing_leaves_the_recompute_alone(
-        tmp_path, monkeypatch):
+def test_a_first_choice_inside_selective_checkpointing_leaves_the_recompute_alone(wkv_table):
     """The measuring runs are hidden from the caller's dispatch modes: selective activation
     checkpointing replays the forward's saved outputs in the recompute by their order, so
     a check seen in the forward (and not in the recompute, the choice being made) would
@@ -289,26 +292,20 @@ def test_a_first_choice_inside_selective_checkpointing_leaves_the_recompute_alon
         checkpoint,
         create_selective_checkpoint_contexts,
     )
-    monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
-    monkeypatch.setattr(dispatch, "cache_path", lambda: tmp_path / "dispatch.json")
-    dispatch.reset()
-    dispatch.set_reporter(lambda line: None)
-    try:
-        g = torch.Generator().manual_seed(0)
-        xs = [torch.randn(2, 6, 32, generator=g) for _ in range(4)] + [
-            torch.randn(2, 16, generator=g)]
-        xs = [x.requires_grad_() for x in xs]
-        context = partial(create_selective_checkpoint_contexts,
-                          lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE)
-        def block(*t):  # the WKV output is saved for the backward (the square's)
-            return wkv6_bidirectional(*t).view(-1, 32).square()
-        y = checkpoint(block, *xs, use_reentrant=False, context_fn=context)
-        grads = torch.autograd.grad(y.sum(), xs)
-        exact = [x.detach().double().requires_grad_() for x in xs]
-        y_ref = wkv6_bidirectional_reference(*exact).view(-1, 32).square()
-        for a, b in zip((y, *grads), (y_ref, *torch.autograd.grad(y_ref.sum(), exact)),
-                        strict=True):
-            assert float((a.detach().double() - b).abs().max()) <= 1e-5 * float(b.abs().max())
-    finally:
-        dispatch.set_reporter()
-        dispatch.reset()
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 6, 32, generator=g) for _ in range(4)] + [
+        torch.randn(2, 16, generator=g)]
+    xs = [x.requires_grad_() for x in xs]
+    context = partial(create_selective_checkpoint_contexts,
+                      lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE)
+
+    def block(*t):  # the WKV output is saved for the backward (the square's)
+        return wkv6_bidirectional(*t).view(-1, 32).square()
+
+    y = checkpoint(block, *xs, use_reentrant=False, context_fn=context)
+    grads = torch.autograd.grad(y.sum(), xs)
+    exact = [x.detach().double().requires_grad_() for x in xs]
+    y_ref = wkv6_bidirectional_reference(*exact).view(-1, 32).square()
+    for a, b in zip((y, *grads), (y_ref, *torch.autograd.grad(y_ref.sum(), exact)),
+                    strict=True):
+        assert float((a.detach().double() - b).abs().max()) <= 1e-5 * float(b.abs().max())
