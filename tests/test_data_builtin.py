@@ -159,10 +159,10 @@ def test_builtin_train_prefix_through_loader_factory(ds):
 
 @pytest.mark.slow
 def test_default_size_generation_and_builtin_format(tmp_path):
-    L = build_train_loader(NS(train_data=str(tmp_path), data_format="builtin", batch_size=64,
+    L = build_train_loader(NS(train_data=str(tmp_path), data_format="builtin", batch_size=32,
                               workers=1, input_size=32, seed=0, device="cpu", loader="auto"),
                            log=None)
     ds = ensure_builtin_dataset(root=str(tmp_path))
-    assert ds.num_train == 31360 and len(L) == 490  # 31360 / 64
+    assert ds.num_train == 27200 and len(L) == 850  # 27200 / 32
     images, tokens = next(iter(L))
-    assert images.shape == (64, 3, 32, 32) and tokens.dtype.is_floating_point is False
+    assert images.shape == (32, 3, 32, 32) and tokens.dtype.is_floating_point is False

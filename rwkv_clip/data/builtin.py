@@ -402,7 +402,7 @@ def publish_dataset(tmp: str, final: str, spec: dict) -> None:
             raise
 
 
-def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 31360,
+def ensure_builtin_dataset(root: str | None = None, seed: int = 0, num_train: int = 27200,
                            num_val: int = 500, zeroshot_per_class: int = 10
                            ) -> BuiltinDataset:
     """Generate (once) and return the built-in dataset: ``train`` and ``val`` .rec files

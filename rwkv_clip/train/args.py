@@ -68,7 +68,7 @@ def build_train_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter)
 
     g = p.add_argument_group("optimisation (original flags)")
-    g.add_argument("--batch-size", type=int, default=64,
+    g.add_argument("--batch-size", type=int, default=32,
                    help="micro-batch size per process (one forward/backward)")
     g.add_argument("--beta1", type=float, default=0.9,
                    help="AdamW beta1 (SGD momentum); the cosine schedule cycles it "
