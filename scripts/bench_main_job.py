@@ -9,9 +9,16 @@ model, ISA). A CPU path forces the arithmetic of another CPU on this one (``avx2
 ``avx512``: the instruction-set level; ``mkl``, ``onednn``: the fp32 GEMM; joined by
 ``+``). See rwkv_clip.bench.main_job.
 
-    python scripts/bench_main_job.py --seeds 0,1,2 --out docs/results/main_job_seeds.json
+    python scripts/bench_main_job.py --seeds 0,1,2 --paths native,avx2 --threads 1,2 \
+        --out docs/results/main_job_grid.json
     python scripts/bench_main_job.py --seeds 0,1,2 --runs runs --reuse   # runs already there
     python scripts/bench_main_job.py --seeds 0,1 --paths native,avx2,avx2+mkl --threads 1,2
+
+``--against DIR`` times command 1 here against another checkout (e.g. the commit before a
+recipe change, ``git worktree add ../before HEAD~1``): ``--repeats`` pairs in ABBA order,
+each run generating the built-in set afresh, the paired ratio of wall times in the JSON.
+
+    python scripts/bench_main_job.py --seeds 0 --against ../before --out docs/results/main_job_time.json
 
 Arguments after ``--`` go to train.py (e.g. ``-- --epochs 3``).
 """
@@ -45,6 +52,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="read a seed's finished run from RUNS/seedN instead of training it")
     ap.add_argument("--out", help="also write the JSON to this file")
+    ap.add_argument("--against", metavar="DIR",
+                    help="time command 1 here against the checkout in DIR (paired, ABBA; "
+                         "the first seed only)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="pairs of runs with --against (default: 2)")
     ns = ap.parse_args(argv)
     ns.train_args = train_args
     return run(ns)

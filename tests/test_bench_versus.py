@@ -186,3 +186,44 @@ def test_main_job_grid_paths_and_run_folders():
     log = ("13:00:00 WKV: cpu kernel rwkv_clip_wkv6_cpu_avx2 on AMD EPYC (AuthenticAMD): "
            "avx512bf16, running as avx2 (ATEN_CPU_CAPABILITY=avx2) (choice: X)\n" + MAIN_JOB_LOG)
     assert read_run(log)["wkv"].startswith("cpu kernel rwkv_clip_wkv6_cpu_avx2 on AMD EPYC")
+
+
+def test_main_job_time_against_needs_a_checkout(repo_root, tmp_path):
+    """--against names a folder that is not a checkout: one line, exit 2, before any run."""
+    proc = _run(repo_root, "bench_main_job.py", "--seeds", "0", "--against", str(tmp_path),
+                "--runs", str(tmp_path / "runs"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--against {tmp_path}: expected a checkout" in lines[0]
+    assert not (tmp_path / "runs").exists()
+    proc = _run(repo_root, "bench_main_job.py", "--against", str(repo_root), "--repeats", "0")
+    assert proc.returncode == 2 and "--repeats 0: expected 1 or more" in proc.stderr
+
+
+def test_commit_of_names_the_checkout(repo_root, tmp_path):
+    from rwkv_clip.bench.main_job import commit_of
+    head = subprocess.run(["git", "-C", str(repo_root), "rev-parse", "--short=12", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout")
+    assert commit_of(repo_root).removesuffix("-dirty") == head
+    assert commit_of(tmp_path) == "unknown"
+
+
+@pytest.mark.slow
+def test_main_job_time_against_another_checkout_pairs_runs_abba(repo_root, tmp_path):
+    """Two checkouts (here the same one twice), one pair: each side trains in a fresh data
+    cache of its own, and the JSON holds both walls, their paired ratio and each run's
+    accuracies."""
+    runs = tmp_path / "runs"
+    proc = _run(repo_root, "bench_main_job.py", "--seeds", "0", "--against", str(repo_root),
+                "--repeats", "1", "--runs", str(runs), "--", "--config", "RWKV_CLIP_tiny",
+                "--max-steps", "2", "--zero-shot-every", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert [(r["side"], r["repeat"]) for r in result["runs"]] == [("ours", 0), ("theirs", 0)]
+    assert result["ratio"] == pytest.approx(result["theirs"]["median_wall_s"]
+                                            / result["ours"]["median_wall_s"])
+    assert all(r["steps"] == 2 and 0 <= r["held_out_top1"] <= 100 for r in result["runs"])
+    assert sorted(p.name for p in runs.iterdir() if p.name.startswith("cache-")) == [
+        "cache-ours-0", "cache-theirs-0"]

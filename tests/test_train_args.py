@@ -46,7 +46,7 @@ def test_no_arguments_means_small_config_on_builtin_data():
     assert args.data_format == "builtin" and args.train_data is None
     assert args.config_source.endswith("RWKV_CLIP_small.json")
     assert (args.n_embd, args.input_size, args.precision) == (128, 32, "fp32")
-    assert (args.epochs, args.lr, args.batch_size, args.log_format) == (2, 1.5e-3, 64, "plain")
+    assert (args.epochs, args.lr, args.batch_size, args.log_format) == (2, 1.5e-3, 32, "plain")
 
 
 def test_config_then_flags_override():
@@ -253,8 +253,8 @@ def test_mistyped_flags_get_a_did_you_mean(argv, suggestion, capsys):
 
 def test_a_small_set_under_the_default_batch_names_the_default_and_a_batch_that_fits(
         tmp_path, capsys):
-    """docs/own-data.md's case: a set smaller than the default batch of 64, --batch-size
-    never typed: the message says the 64 is the default and which value fits."""
+    """docs/own-data.md's case: a set smaller than the default batch of 32, --batch-size
+    never typed: the message says the 32 is the default and which value fits."""
     from train_util import make_tiny_rec, tiny_argv
 
     from rwkv_clip.train import cli
@@ -265,6 +265,6 @@ def test_a_small_set_under_the_default_batch_names_the_default_and_a_batch_that_
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
-        "train.py: error: --batch-size 64 (the default) x 1 rank(s) needs at least 64 "), err
+        "train.py: error: --batch-size 32 (the default) x 1 rank(s) needs at least 32 "), err
     assert err[0].endswith("got 6 in " + str(tmp_path / "data" / "tiny.rec")
                            + "; lower --batch-size to 6 or less"), err

@@ -87,7 +87,7 @@ def run_seed(python: str, repo: Path, output: Path, seed: int, extra: list[str],
     full = {**os.environ, **(env or {})}
     if env and "ATEN_CPU_CAPABILITY" in env:  # compiled kernels of that level apart
         full[INDUCTOR_CACHE_ENV] = inductor_cache_dir(env["ATEN_CPU_CAPABILITY"])
-    result = subprocess.run(cmd, cwd=repo, env=full)
+    result = subprocess.run(cmd, cwd=repo, env=full, stdout=sys.stderr)  # stdout: the JSON
     if result.returncode:
         raise ConfigError(f"train.py --seed {seed} exited with status {result.returncode}; "
                           f"its log is {output / 'training.log'}")
@@ -104,11 +104,62 @@ def grid(seeds: list[int], paths: list[str], threads: list[int | None]
             for path in paths for n in threads for seed in seeds]
 
 
+def commit_of(repo: Path) -> str:
+    """The git commit checked out in ``repo`` (``-dirty`` when its tree has changes), or
+    ``unknown`` outside git."""
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    head = git("rev-parse", "--short=12", "HEAD")
+    if not head:
+        return "unknown"
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def time_against(ns: Any, repo: Path) -> dict[str, Any]:
+    """Command 1's wall time here against another checkout's (``ns.against``), paired:
+    ``ns.repeats`` pairs in ABBA order, each run in a fresh data cache of its own (the
+    built-in set is generated as on a fresh clone), one seed. Their time / ours > 1:
+    this checkout is faster."""
+    from .versus import paired_ratios
+    other = Path(ns.against).resolve()
+    if not (other / "train.py").is_file():
+        raise ConfigError(f"--against {ns.against}: expected a checkout of rwkv-clip (a "
+                          "folder with train.py), e.g. one made by git worktree add")
+    if ns.repeats < 1:
+        raise ConfigError(f"--repeats {ns.repeats}: expected 1 or more")
+    seed = ns.seeds[0]
+    sides = {"ours": repo, "theirs": other}
+    walls: dict[str, list[float]] = {"ours": [], "theirs": []}
+    runs: list[dict[str, Any]] = []
+    for r in range(ns.repeats):
+        for side in (("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")):
+            output = Path(ns.runs) / f"{side}-{r}"
+            env = {"RWKV_CLIP_CACHE": str(Path(ns.runs).resolve() / f"cache-{side}-{r}")}
+            wall = run_seed(sys.executable, sides[side], output, seed, ns.train_args, env)
+            walls[side].append(wall)
+            runs.append({"side": side, "repeat": r, "seed": seed, "wall_s": wall,
+                         **read_run((output / "training.log").read_text())})
+            print(f"{side} {r}: {runs[-1]}", file=sys.stderr, flush=True)
+    return {"ours": {"checkout": str(repo), "commit": commit_of(repo),
+                     "median_wall_s": statistics.median(walls["ours"])},
+            "theirs": {"checkout": str(other), "commit": commit_of(other),
+                       "median_wall_s": statistics.median(walls["theirs"])},
+            **paired_ratios(walls["ours"], walls["theirs"]), "runs": runs}
+
+
 def main(ns: Any) -> int:
     import torch
 
     from .versus import machine
     repo = Path(__file__).resolve().parents[2]
+    if getattr(ns, "against", None):
+        result = {"benchmark": "main_job_time",
+                  "command": "train.py --output RUNS/NAME --seed N " + " ".join(ns.train_args),
+                  "machine": machine(torch.device("cpu")), "threads": torch.get_num_threads(),
+                  "torch": torch.__version__, **time_against(ns, repo),
+                  "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+        return write_result(result, ns.out)
     paths = getattr(ns, "paths", None) or ["native"]
     threads = getattr(ns, "threads", None) or [None]
     for path in paths:
@@ -134,8 +185,12 @@ def main(ns: Any) -> int:
               "paths": paths, "torch": torch.__version__, "runs": runs,
               "top1_over_seeds": summarise(runs),
               "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    return write_result(result, ns.out)
+
+
+def write_result(result: dict[str, Any], out: str | None) -> int:
     text = json.dumps(result)
     print(text)
-    if ns.out:
-        Path(ns.out).write_text(text + "\n")
+    if out:
+        Path(out).write_text(text + "\n")
     return 0
