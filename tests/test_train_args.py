@@ -268,3 +268,4 @@ def test_a_small_set_under_the_default_batch_names_the_default_and_a_batch_that_
         "train.py: error: --batch-size 32 (the default) x 1 rank(s) needs at least 32 "), err
     assert err[0].endswith("got 6 in " + str(tmp_path / "data" / "tiny.rec")
                            + "; lower --batch-size to 6 or less"), err
+

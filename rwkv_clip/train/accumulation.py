@@ -21,8 +21,6 @@ from ..checkpoint_files import unwrap_model
 from ..distributed import DistInfo, any_rank_true
 from ..errors import NonFiniteLossError
 from ..tokenizer import fit_context_length
-from ..transform import OPENAI_DATASET_MEAN as CLIP_MEAN
-from ..transform import OPENAI_DATASET_STD as CLIP_STD
 from .rng import capture_rng, restore_rng
 
 CAPTION_LEN = 77
@@ -85,41 +83,18 @@ def choose_captions(tokens: torch.Tensor, generator: torch.Generator | None,
     return tokens.gather(1, index.to(tokens.device)).long()
 
 
-LUMA = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale (ITU-R BT.601)
-
-
-def grey_images(images: torch.Tensor, grey: torch.Tensor,
-                mean: Sequence[float] = CLIP_MEAN, std: Sequence[float] = CLIP_STD
-                ) -> torch.Tensor:
-    """(B, 3, H, W) images normalised by ``mean`` / ``std``, with the rows where the bool
-    ``grey`` (B,) is set replaced by their luma in all three channels (normalised again)."""
-    if not bool(grey.any()):
-        return images
-    shape = (1, 3, 1, 1)
-    m = torch.tensor(mean, dtype=images.dtype, device=images.device).view(shape)
-    s = torch.tensor(std, dtype=images.dtype, device=images.device).view(shape)
-    w = torch.tensor(LUMA, dtype=images.dtype, device=images.device).view(shape)
-    luma = ((images * s + m) * w).sum(1, keepdim=True)
-    return torch.where(grey.to(images.device).view(-1, 1, 1, 1), (luma - m) / s, images)
-
-
 def make_micro_batches(images: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor],
                        generator: torch.Generator | None,
                        device: torch.device, ctx_len: int = CAPTION_LEN,
-                       caption_weights: Sequence[float] | None = None,
-                       grayscale: float = 0.0) -> list[MicroBatch]:
+                       caption_weights: Sequence[float] | None = None) -> list[MicroBatch]:
     """Choose captions for all samples of one optimizer step at once (before any
     caching; ``caption_weights`` as :func:`choose_captions`), fit them to the model's
-    ``ctx_len``, turn each image grey with probability ``grayscale`` (drawn after the
-    captions from the same generator), then move each micro-batch to ``device``."""
+    ``ctx_len``, then move each micro-batch to ``device``."""
     sizes = [t.shape[0] for t in tokens]
     every = torch.cat(list(tokens))
     chosen = fit_context_length(choose_captions(
         every, generator, caption_weights, caption_length(every.shape[1], ctx_len)), ctx_len)
     texts = chosen.split(sizes)
-    if grayscale > 0:
-        grey = (torch.rand(sum(sizes), generator=generator) < grayscale).split(sizes)
-        images = [grey_images(im, g) for im, g in zip(images, grey, strict=True)]
     return [MicroBatch(im.to(device, non_blocking=True), tx.to(device, non_blocking=True))
             for im, tx in zip(images, texts, strict=True)]
 

@@ -214,8 +214,11 @@ def build_train_parser() -> argparse.ArgumentParser:
                    help="exact: cache the K micro-batches' features, recompute each with "
                         "grad against all of them (gradient of one batch of K x m); "
                         "mean: average per-micro-batch losses (cheaper, fewer negatives)")
-    _bool_flag(g, "--exclude-decay", False,
-               "no weight decay on norms, biases, 1-D parameters and logit_scale")
+    _bool_flag(g, "--exclude-decay", None,
+               "no weight decay on norms, biases, 1-D parameters and logit_scale (as "
+               "open_clip); default: on for the built-in dataset (the main job's recipe: a "
+               "decayed logit_scale stays near its start and shape is learnt late), off "
+               "otherwise (the original decays every parameter)")
     g.add_argument("--grad-clip-norm", type=float, default=1.0,
                    help="clip the global gradient norm (<= 0: off)")
     g.add_argument("--log-every", type=int, default=5,
@@ -312,11 +315,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             args.data_format = "rec"
     if args.data_format != "builtin" and not args.train_data:
         raise TrainArgsError(f"--data-format {args.data_format} needs --train-data")
-    if args.random_grayscale is None:
-        args.random_grayscale = BUILTIN_GRAYSCALE if args.data_format == "builtin" else 0.0
-    if not 0.0 <= args.random_grayscale <= 1.0:
-        raise TrainArgsError(f"--random-grayscale {args.random_grayscale}: expected a "
-                             "probability in [0, 1]")
+    if args.exclude_decay is None:
+        args.exclude_decay = args.data_format == "builtin"
     check_train_data(args)
     return args
 
@@ -380,8 +380,6 @@ def warn_ignored(args: argparse.Namespace, log=print) -> None:
 # the run-safety flags; the logic lives in loop.py / checkpoint.py
 
 DEFAULT_KEEP_CHECKPOINTS = 5
-# --random-grayscale on the built-in dataset (SimCLR's rate of grey images)
-BUILTIN_GRAYSCALE = 0.2
 
 
 def add_run_safety_flags(p: argparse.ArgumentParser) -> None:
@@ -436,11 +434,6 @@ def add_loss_flags(p: argparse.ArgumentParser) -> None:
                    help="how SigLIP sees the other ranks' texts: bidir (neighbour exchange "
                         "both ways, one block at a time) or gather (all-gather); the same "
                         "loss and gradients")
-    g.add_argument("--random-grayscale", type=float, default=None, metavar="P",
-                   help="chance that a training image is turned grey (its luma in all three "
-                        f"channels) for its step; default: {BUILTIN_GRAYSCALE} on the built-in dataset, "
-                        "whose captions name colours (a grey image is told apart by shape "
-                        "only, so shape pays from the first step), 0 on other data")
     g.add_argument("--caption-weights", type=caption_weights, default=[1.0, 1.0, 1.0],
                    metavar="RAW,SYN,GEN",
                    help="relative chance of drawing each image's raw, synthetic and "

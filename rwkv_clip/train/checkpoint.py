@@ -221,7 +221,7 @@ RUN_SETTINGS = ("train_data", "data_format", "train_num_samples", "loader", "bui
                 "warmup", "epochs", "max_steps", "optimizer", "beta1", "beta2",
                 "weight_decay", "exclude_decay", "grad_clip_norm", "local_loss",
                 "gather_with_grad", "seed", "lock_image", "lock_text", "zero_shot_data",
-                "zero_shot_every", "siglip", "siglip_dist_impl", "caption_weights", "random_grayscale",
+                "zero_shot_every", "siglip", "siglip_dist_impl", "caption_weights",
                 "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
                 "lora_base_precision")
 # ... of which these can never change: the data position is counted in their batches.

@@ -279,8 +279,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
                                              state.batch_in_epoch // k)
                 micro_batches = make_micro_batches(
                     [p[0] for p in pending], [p[1] for p in pending], captions, info.device,
-                    model.text_model.args.ctx_len, args.caption_weights,
-                    args.random_grayscale)
+                    model.text_model.args.ctx_len, args.caption_weights)
                 pending = []
                 set_lr(optimizer, *lr_at(state.step, **schedule))
                 try:
@@ -450,12 +449,12 @@ def prepare_data(args, info: DistInfo, log) -> TrainData:
              f"rank(s))")
     log.info(f"data loader: {loader_name(loader)}, {args.workers} worker(s) "
              f"(--loader {args.loader}; choices auto, dali, torch)")
-    if args.random_grayscale:
-        log.info(f"augmentation: {args.random_grayscale:.0%} of training images grey "
-                 "(--random-grayscale)")
     # exact values, so that report.png draws the schedule itself, not the rounded log lines
     log.info(f"learning rate: {args.lr_scheduler} schedule, peak {args.lr!r}, warmup "
-             f"{args.warmup!r}, {total_steps} steps")
+             f"{args.warmup!r}, {total_steps} steps; weight decay {args.weight_decay!r} on "
+             + ("all but norms, biases, 1-D parameters and logit_scale (--exclude-decay)"
+                if args.exclude_decay
+                else "every parameter"))
     if zero_shot_dir is None and (args.zero_shot_every or args.final_zero_shot):
         log.info("zero-shot evaluation: skipped, no image folder for this data; pass "
                  "--zero-shot-data DIR (one sub-folder of images per class) to evaluate after "
