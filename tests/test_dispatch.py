@@ -267,19 +267,6 @@ def test_the_reference_is_timed_only_when_nothing_else_passes(wkv_table):
     assert dispatch.counters == {"checked": 2, "timed": 1}
 
 
-@pytest.mark.parametrize("name", sorted(dispatch.REPLACED_ENV_VARS))
-def test_a_replaced_variable_stops_the_run_naming_its_replacement(name, monkeypatch):
-    monkeypatch.setenv(name, "reference")
-    dispatch.reset()
-    try:
-        with pytest.raises(DispatchError, match=f"{name} is not read; set "
-                                                f"{dispatch.OVERRIDE_ENV_VAR}=wkv="):
-            dispatch.override()
-    finally:
-        monkeypatch.delenv(name)
-        dispatch.reset()
-
-
 def test_a_first_choice_inside_selective_checkpointing_leaves_the_recompute_alone(wkv_table):
     """The measuring runs are hidden from the caller's dispatch modes: selective activation
     checkpointing replays the forward's saved outputs in the recompute by their order, so

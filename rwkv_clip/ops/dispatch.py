@@ -242,6 +242,8 @@ REPLACED_ENV_VARS = {
     "RWKV_CLIP_REBUILD": "the config key rebuild or train.py --rebuild auto|always|never",
     "RWKV_CLIP_HOST_MALLOC": "the flag --host-malloc auto|retain|system",
     "RWKV_CLIP_DATA_ROOT": "the flag --data-root DIR",
+    "RWKV_CLIP_INSTALLER": "bash scripts/bootstrap.sh --pip",
+    "RWKV_CLIP_EXTRAS": "bash scripts/bootstrap.sh --extras LIST",
 }
 # every RWKV_CLIP_* variable the package reads (docs/training.md#environment-variables)
 ENV_VARS = ("RWKV_CLIP_CACHE", "RWKV_CLIP_DISPATCH", "RWKV_CLIP_KERNEL_LOCK_TIMEOUT")
