@@ -24,6 +24,10 @@ _CHECKOUT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_config"
 # The original train.py's --data-type choices (it validated the value and ignored it).
 DATA_TYPES = ("utf-8", "utf-16le", "numpy", "binidx", "dummy", "uint16")
 
+# The activation-memory policy's scope (config key rebuild, train.py --rebuild): auto
+# (large branches), always, never (rwkv_clip.layers.activation_memory.rebuilds).
+REBUILD_CHOICES = ("auto", "always", "never")
+
 # The config used when none is given (train.py, zero_shot.py without weights).
 DEFAULT_CONFIG = "RWKV_CLIP_small"
 
@@ -136,6 +140,9 @@ class ModelArgs:
     # run settings the JSONs carry (train.py's flags fall back to them)
     precision: str = _key("str", "bf16", choices=PRECISIONS)
     with_cp: bool = _key("bool", False)  # activation checkpointing in both towers
+    # where a residual branch keeps only the activation-memory policy's tensors
+    # (rwkv_clip.layers.activation_memory.rebuilds)
+    rebuild: str = _key("str", "auto", choices=REBUILD_CHOICES)
     workers: int = _key("int", 10, low=0)
     data_type: str = _key("str", "utf-8", choices=DATA_TYPES)
 
@@ -183,7 +190,7 @@ class ModelArgs:
 KEYS = tuple(f.name for f in fields(ModelArgs))
 # Keys that say how a run computes rather than what the model is (a checkpoint's are the
 # run's; evaluation and export choose their own).
-RUN_KEYS = ("precision", "with_cp", "workers", "data_type")
+RUN_KEYS = ("precision", "with_cp", "rebuild", "workers", "data_type")
 # The model settings a checkpoint carries to evaluation and export (every other key).
 MODEL_KEYS = tuple(k for k in KEYS if k not in RUN_KEYS)
 TEXT_REQUIRED = ("n_layer", "n_embd")

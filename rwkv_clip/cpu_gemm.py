@@ -1,11 +1,12 @@
 """The CPU GEMM policy of the towers' matrix products (:mod:`rwkv_clip.layers.linear`):
 whether low-precision autocast products run as fp32 GEMMs on rounded operands, and whether
-fp32 ``Linear`` forwards run oneDNN's matmul; each chosen once from the CPU and an
-environment variable."""
+fp32 ``Linear`` forwards run oneDNN's matmul. Each is a switch of the dispatch table
+(:class:`rwkv_clip.ops.dispatch.Switch`): a rule on the CPU chooses (``auto``) unless
+``$RWKV_CLIP_DISPATCH`` or :func:`rwkv_clip.ops.dispatch.pin` names a choice
+(``lowp_matmul=native|fp32``, ``linear=onednn|mkl``)."""
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -13,6 +14,7 @@ import torch
 
 from .cpu_isa import cpu_info, native_lowp_gemm
 from .errors import PrecisionError
+from .ops import dispatch
 
 _F = TypeVar("_F", bound=Callable)
 
@@ -27,47 +29,35 @@ def assume_constant_result(fn: _F) -> _F:
     return fn
 
 
-CPU_LOWP_MATMUL_ENV = "RWKV_CLIP_CPU_LOWP_MATMUL"
-CPU_LOWP_MATMUL_CHOICES = ("auto", "native", "fp32")
+LOWP_MATMUL = dispatch.register_switch(dispatch.Switch("lowp_matmul", ("native", "fp32")))
+LINEAR = dispatch.register_switch(dispatch.Switch("linear", ("onednn", "mkl")))
 
 
-@assume_constant_result  # traced calls read the choice made once here
+@assume_constant_result  # traced calls read the choice made here
 def cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
     """Whether the towers' matmuls and convolutions under CPU ``dtype`` autocast (bf16 or
     fp16) run as fp32 GEMMs on the rounded operands (see :mod:`rwkv_clip.layers.linear`).
 
-    ``auto`` (default): on x86 CPUs without native GEMMs of that dtype (bf16: AVX512-BF16
-    or AMX; fp16: AMX-FP16; :func:`rwkv_clip.cpu_isa.native_lowp_gemm`, so capped by
-    ``ONEDNN_MAX_CPU_ISA``), where torch emulates them many times slower than fp32;
-    ``native``: never; ``fp32``: always. Read once per dtype from ``RWKV_CLIP_CPU_LOWP_MATMUL``
-    (:func:`cpu_matmul_choice_reset` forgets the choices).
+    The switch ``lowp_matmul``: ``auto`` (default): on x86 CPUs without native GEMMs of
+    that dtype (bf16: AVX512-BF16 or AMX; fp16: AMX-FP16;
+    :func:`rwkv_clip.cpu_isa.native_lowp_gemm`, so capped by ``ONEDNN_MAX_CPU_ISA``), where
+    torch emulates them many times slower than fp32; ``native``: never; ``fp32``: always.
+    The rule's answer is kept per dtype (:func:`cpu_matmul_choice_reset` forgets it).
     """
-    return _cpu_matmul_in_fp32(dtype)
+    return _cpu_matmul_in_fp32(dtype, dispatch.pinned(LOWP_MATMUL.name))
 
 
 def cpu_matmul_choice_reset() -> None:
-    """Forget the choices of :func:`cpu_matmul_in_fp32` and :func:`cpu_linear_uses_onednn`
-    (they are read again on next use)."""
+    """Forget the answers of :func:`cpu_matmul_in_fp32` and :func:`cpu_linear_uses_onednn`
+    (the CPU is read again on next use)."""
     _cpu_matmul_in_fp32.cache_clear()
     _cpu_linear_uses_onednn.cache_clear()
 
 
-def env_choice(name: str, choices: tuple[str, ...],
-               error: type[Exception] = PrecisionError) -> str:
-    """The environment variable ``name`` (default ``auto``), one of ``choices``; any other
-    value raises ``error`` naming the variable and the choices. The CPU knobs' reader
-    (this module's and :mod:`rwkv_clip.host_memory`'s)."""
-    choice = os.environ.get(name, "auto").strip().lower() or "auto"
-    if choice not in choices:
-        raise error(f"{name}={choice!r}: expected one of {', '.join(choices)}")
-    return choice
-
-
 @functools.cache
-def _cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
-    choice = env_choice(CPU_LOWP_MATMUL_ENV, CPU_LOWP_MATMUL_CHOICES)
-    if choice != "auto":
-        return choice == "fp32"
+def _cpu_matmul_in_fp32(dtype: torch.dtype, pinned: str | None) -> bool:
+    if pinned is not None:
+        return pinned == "fp32"
     if not cpu_info().x86:
         return False  # other CPUs: leave torch's kernels alone
     if dtype == torch.bfloat16:
@@ -77,39 +67,35 @@ def _cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
     return False
 
 
-CPU_LINEAR_ENV = "RWKV_CLIP_CPU_LINEAR"
-CPU_LINEAR_CHOICES = ("auto", "onednn", "mkl")
-
-
 @assume_constant_result
 def cpu_linear_uses_onednn() -> bool:
     """Whether the towers' fp32 ``Linear`` forwards on the CPU run oneDNN's matmul
     (``torch.ops.mkldnn._linear_pointwise``) instead of torch's default (MKL's sgemm).
 
-    ``auto`` (default): on AMD x86 CPUs, where MKL's sgemm trails oneDNN's JIT kernels on
-    the towers' wide products (see docs/performance.md); torch's default elsewhere.
-    ``onednn`` / ``mkl`` force either. Only products with both weight dimensions >= 512
-    qualify (narrower ones are slower); of the backward products, the input gradient's is
-    oneDNN's too in eager mode, the weight gradient's torch's. Read once from ``RWKV_CLIP_CPU_LINEAR``
-    (:func:`cpu_matmul_choice_reset` forgets it). TorchScript traces keep ``aten.linear``;
-    ``torch.compile`` sees the operator ``rwkv_clip::onednn_linear``.
+    The switch ``linear``: ``auto`` (default): on AMD x86 CPUs, where MKL's sgemm trails
+    oneDNN's JIT kernels on the towers' wide products (see docs/performance.md); torch's
+    default elsewhere. ``onednn`` / ``mkl`` force either. Only products with both weight
+    dimensions >= 512 qualify (narrower ones are slower); of the backward products, the
+    input gradient's is oneDNN's too in eager mode, the weight gradient's torch's. The
+    rule's answer is kept (:func:`cpu_matmul_choice_reset` forgets it). TorchScript traces
+    keep ``aten.linear``; ``torch.compile`` sees the operator ``rwkv_clip::onednn_linear``.
     """
-    return _cpu_linear_uses_onednn()
+    return _cpu_linear_uses_onednn(dispatch.pinned(LINEAR.name))
 
 
 @functools.cache
-def _cpu_linear_uses_onednn() -> bool:
-    choice = env_choice(CPU_LINEAR_ENV, CPU_LINEAR_CHOICES)
+def _cpu_linear_uses_onednn(pinned: str | None) -> bool:
     available = (torch.backends.mkldnn.is_available()
                  and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-    if choice == "onednn" and not available:
-        raise PrecisionError(f"{CPU_LINEAR_ENV}=onednn: this torch build has no oneDNN "
-                             "matmul (torch.backends.mkldnn); expected auto or mkl here")
-    if choice != "auto":
-        return choice == "onednn"
+    if pinned == "onednn" and not available:
+        raise PrecisionError(f"{dispatch.OVERRIDE_ENV_VAR} or pin linear=onednn: this torch "
+                             "build has no oneDNN matmul (torch.backends.mkldnn); expected "
+                             "auto or mkl here")
+    if pinned is not None:
+        return pinned == "onednn"
     info = cpu_info()
     return available and info.x86 and info.vendor == "AuthenticAMD"
 
 
 __all__ = ["cpu_matmul_in_fp32", "cpu_matmul_choice_reset", "cpu_linear_uses_onednn",
-           "assume_constant_result", "env_choice", "CPU_LOWP_MATMUL_ENV", "CPU_LINEAR_ENV"]
+           "assume_constant_result", "LINEAR", "LOWP_MATMUL"]

@@ -128,7 +128,7 @@ class Block_V6(nn.Module):
                  drop_path: float = 0.0, hidden_rate: int = 4, init_mode: str = "fancy",
                  init_values: float | None = None, post_norm: bool = False,
                  key_norm: bool = False, with_cls_token: bool = False,
-                 with_cp: bool = False) -> None:
+                 with_cp: bool = False, rebuild: str = "auto") -> None:
         super().__init__()
         self.layer_id = layer_id
         self.ln1 = nn.LayerNorm(n_embd)
@@ -151,13 +151,14 @@ class Block_V6(nn.Module):
             self.gamma1 = nn.Parameter(init_values * torch.ones(n_embd))
             self.gamma2 = nn.Parameter(init_values * torch.ones(n_embd))
         self.with_cp = with_cp
+        self.rebuild = rebuild  # the activation-memory policy's scope (config key rebuild)
 
     def _residual(self, branch, norm, gamma, x, patch_resolution):
         def run(t: torch.Tensor) -> torch.Tensor:
             if self.post_norm:
                 return norm(branch(t, patch_resolution))
             return branch(norm(t), patch_resolution)
-        out = residual_branch(run, x, branch)
+        out = residual_branch(run, x, branch, self.rebuild)
         return x + self.drop_path(out if gamma is None else gamma * out)
 
     def _inner_forward(self, x: torch.Tensor, patch_resolution) -> torch.Tensor:
@@ -191,7 +192,7 @@ class Image_RWKV(nn.Module):
                  init_values: float | None = None, hidden_rate: int = 4,
                  final_norm: bool = True, interpolate_mode: str = "bicubic",
                  output_cls_token: bool = False, with_cls_token: bool = False,
-                 with_cp: bool = False) -> None:
+                 with_cp: bool = False, rebuild: str = "auto") -> None:
         super().__init__()
         if output_cls_token and not with_cls_token:
             raise ValueError("output_cls_token=True needs with_cls_token=True")
@@ -219,7 +220,7 @@ class Image_RWKV(nn.Module):
                      shift_mode=shift_mode, shift_pixel=shift_pixel, drop_path=dpr[i],
                      hidden_rate=hidden_rate, init_mode=init_mode, init_values=init_values,
                      post_norm=post_norm, key_norm=key_norm, with_cls_token=with_cls_token,
-                     with_cp=with_cp)
+                     with_cp=with_cp, rebuild=rebuild)
             for i in range(depth))
         self.final_norm = final_norm
         if final_norm:
@@ -237,7 +238,8 @@ class Image_RWKV(nn.Module):
                    hidden_rate=args.image_hidden_rate, depth=depth, num_heads=heads,
                    output_cls_token=args.image_output_cls_token,
                    with_cls_token=args.image_with_cls_token,
-                   drop_path_rate=args.drop_path_rate, with_cp=args.with_cp)
+                   drop_path_rate=args.drop_path_rate, with_cp=args.with_cp,
+                   rebuild=args.rebuild)
 
     @staticmethod
     def _normalise_out_indices(out_indices, depth: int) -> list[int]:
@@ -257,6 +259,19 @@ class Image_RWKV(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, Block_V6)
             layer.with_cp = bool(value)
+
+    @property
+    def rebuild(self) -> str:
+        """The config key rebuild of the blocks (set on all of them at once)."""
+        layer = self.layers[0]
+        assert isinstance(layer, Block_V6)
+        return layer.rebuild
+
+    @rebuild.setter
+    def rebuild(self, value: str) -> None:
+        for layer in self.layers:
+            assert isinstance(layer, Block_V6)
+            layer.rebuild = value
 
     def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """Patches + (resized if needed) position embedding (+ cls token last)."""

@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint_files import load_checked
-from .config import ModelArgs, complete_args, kept_settings_note, with_checkpoint_settings
+from .config import (
+    REBUILD_CHOICES,
+    ModelArgs,
+    complete_args,
+    kept_settings_note,
+    with_checkpoint_settings,
+)
+from .errors import ConfigError
 from .image_rwkv import Image_RWKV
 from .layers.time_mix import TimeMixBase
 from .pretrained import load_weights
@@ -84,6 +91,14 @@ class get_model(nn.Module):
         """Recompute each block in backward (the original's ``with_cp``) in both towers."""
         self.image_model.with_cp = enable
         self.text_model.args.with_cp = enable
+
+    def set_rebuild(self, rebuild: str) -> None:
+        """Where the activation-memory policy applies in both towers (the config key
+        ``rebuild``: ``auto``, ``always``, ``never``)."""
+        if rebuild not in REBUILD_CHOICES:
+            raise ConfigError(f"rebuild={rebuild!r}: expected one of {', '.join(REBUILD_CHOICES)}")
+        self.image_model.rebuild = rebuild
+        self.text_model.args.rebuild = rebuild
 
     def set_wkv_backend(self, backend: str | None) -> None:
         """Pin the WKV implementation (a name of the dispatch table's ``wkv`` op, e.g.

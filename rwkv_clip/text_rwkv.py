@@ -127,8 +127,9 @@ class Block(nn.Module):
             x = self.ln0(x)
             if self.args.pos_emb > 0:
                 x = x + (self.pos_emb_x + self.pos_emb_y).reshape(T + 1, -1)[:-1, :]
-        x = self.drop0(x + residual_branch(lambda t: self.att(self.ln1(t)), x, self.att))
-        x = self.drop1(x + residual_branch(lambda t: self.ffn(self.ln2(t)), x, self.ffn))
+        rebuild = self.args.rebuild
+        x = self.drop0(x + residual_branch(lambda t: self.att(self.ln1(t)), x, self.att, rebuild))
+        x = self.drop1(x + residual_branch(lambda t: self.ffn(self.ln2(t)), x, self.ffn, rebuild))
         if self.has_tiny_att:
             assert x_emb is not None, "tiny attention reads the token embeddings"
             x = self._tiny_attention(x, x_emb)

@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from rwkv_clip.bench.versus import add_versus_flags, run_versus
 from rwkv_clip.errors import run_cli
+from rwkv_clip.host_memory import add_host_malloc_flag
 
 
 def main(argv=None) -> int:
@@ -27,6 +28,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_versus_flags(ap, default_batches="16", default_config=str(
         REPO / "model_config" / "RWKV_CLIP_B32.json"))
+    add_host_malloc_flag(ap)
     ns = ap.parse_args(argv)
     return run_versus(ns, tasks=("infer",))
 

@@ -41,7 +41,7 @@ import rwkv_clip.layers.time_mix as time_mix
 from rwkv_clip.bench.versus import add_versus_flags, run_versus
 from rwkv_clip.compiling import compile_model
 from rwkv_clip.errors import run_cli
-from rwkv_clip.host_memory import configure_host_malloc
+from rwkv_clip.host_memory import add_host_malloc_flag, configure_host_malloc
 from rwkv_clip.memory import (
     PeakRSS,
     build_measured_model,
@@ -129,6 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--wkv-steps", type=int, default=None,
                     help="steps with the WKV op timed (default 3 GPU, 1 CPU; 0 to skip)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_host_malloc_flag(ap)
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the model (warm-up steps include the compilation)")
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
     if steps < 1:
         ap.error("--steps must be at least 1")
     device = torch.device(ns.device)
-    host_malloc = configure_host_malloc(device)  # as train.py
+    host_malloc = configure_host_malloc(device, ns.host_malloc)  # as train.py
 
     rss_before_kib = rss_kib()
     args, model = build_measured_model(config, device, ns.checkpointing, ns.wkv_backend)

@@ -7,18 +7,28 @@
 # not read pip's configuration, so the indexes, find-links folders, constraints (this
 # machine's torch cap included) and certificate pip is configured with are handed to it;
 # resolution follows pip's (the best version over all indexes). Without uv (no network
-# for it, or RWKV_CLIP_INSTALLER=pip) pip does the same install.
+# for it, or --pip) pip does the same install.
+#
+# Flags: --pip (install with pip, not uv); --extras LIST (default dev,dali).
 set -euo pipefail
-if [[ ${1:-} == -h || ${1:-} == --help ]]; then   # the comment block above is the help
-    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
-    exit 0
-fi
+INSTALLER=uv
+EXTRAS=dev,dali
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        -h|--help)   # the comment block above is the help
+            sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+            exit 0 ;;
+        --pip) INSTALLER=pip; shift ;;
+        --extras) EXTRAS=${2:?--extras needs a comma-separated list}; shift 2 ;;
+        *) echo "bootstrap.sh: error: unknown argument $1 (flags: --pip, --extras LIST)" >&2
+           exit 2 ;;
+    esac
+done
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
     "$PYTHON" -m venv .venv
 fi
-EXTRAS=${RWKV_CLIP_EXTRAS:-dev,dali}
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 
 # pip's settings as uv flags: `pip config list` prints key='value' lines (files and
@@ -40,7 +50,7 @@ uv_flags() {
 }
 
 install_with_uv() {
-    [[ ${RWKV_CLIP_INSTALLER:-uv} == uv ]] || return 1
+    [[ $INSTALLER == uv ]] || return 1
     if [[ ! -x .venv/bin/uv ]]; then
         "${PIP[@]}" install --quiet uv >/dev/null 2>&1 || return 1
     fi

@@ -645,10 +645,11 @@ def main(argv: list[str] | None = None) -> int:
     base_env["PYTHONUNBUFFERED"] = "1"
     env = dict(base_env, PYTHONPATH=f"{site}{os.pathsep}{REPO}",
                PATH=f"{site / 'bin'}{os.pathsep}{base_env.get('PATH', '')}")
-    # a kernel cache of the check's own: the build step times a cold build, a timed-out
-    # build's leftover locks can be cleared, and no other checkout's cache is touched
-    own_cache = "RWKV_CLIP_KERNEL_CACHE" not in env
-    kernels = Path(env.setdefault("RWKV_CLIP_KERNEL_CACHE", str(site.parent / "kernels")))
+    # caches of the check's own, beside its site (kernels in its kernels/): the build step
+    # times a cold build, a timed-out build's leftover locks can be cleared, and no other
+    # checkout's cache is touched
+    own_cache = "RWKV_CLIP_CACHE" not in env
+    kernels = Path(env.setdefault("RWKV_CLIP_CACHE", str(site.parent))) / "kernels"
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     # compiled graphs and Triton kernels (the anchor's, inductor's) from earlier runs
     compile_cache = Path(ns.compile_cache).resolve()

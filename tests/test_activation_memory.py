@@ -13,6 +13,7 @@ from rwkv_clip.cpu_gemm import cpu_matmul_choice_reset
 from rwkv_clip.errors import ConfigError
 from rwkv_clip.layers import activation_memory
 from rwkv_clip.memory import synthetic_batch
+from rwkv_clip.ops import dispatch
 
 pytestmark = pytest.mark.cpu_isa
 
@@ -69,10 +70,10 @@ def _shapes(model, batch):
 def lowp_matmul(monkeypatch):
     """Force the CPU bf16 product path (rwkv_clip.layers.linear) for one test."""
     def choose(choice: str) -> None:
-        monkeypatch.setenv("RWKV_CLIP_CPU_LOWP_MATMUL", choice)
+        dispatch.pin({"lowp_matmul": choice})
         cpu_matmul_choice_reset()
     yield choose
-    monkeypatch.delenv("RWKV_CLIP_CPU_LOWP_MATMUL", raising=False)
+    dispatch.pin({})
     cpu_matmul_choice_reset()
 
 
@@ -83,10 +84,10 @@ def test_same_gradients_keeping_the_projections_and_wkv(amp, monkeypatch, kept, 
     lowp_matmul("native")
     model = tiny_model()
     images, tokens = synthetic_batch(load_model_configs(TINY_CONFIG), 3, "cpu")
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
+    model.set_rebuild("never")
     plain = _step(model, images, tokens, amp)
     assert not kept()
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")  # the tiny batch is below auto's size
+    model.set_rebuild("always")  # the tiny batch is below auto's size
     seen = []
     policy = _step(model, images, tokens, amp, lambda: seen.extend(kept()))
     assert policy.keys() == plain.keys()
@@ -108,9 +109,9 @@ def test_products_in_fp32_keep_their_rounded_copy(monkeypatch, kept, lowp_matmul
     lowp_matmul("fp32")
     model = tiny_model()
     images, tokens = synthetic_batch(load_model_configs(TINY_CONFIG), 2, "cpu")
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
+    model.set_rebuild("never")
     plain = _step(model, images, tokens, True)
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
+    model.set_rebuild("always")
     seen = []
     policy = _step(model, images, tokens, True, lambda: seen.extend(kept()))
     for name in plain:
@@ -122,17 +123,17 @@ def test_products_in_fp32_keep_their_rounded_copy(monkeypatch, kept, lowp_matmul
     assert all(t.dtype in (torch.float32, torch.bfloat16) for b in seen for t in b)
 
 
-def test_off_without_grad_under_other_hooks_and_whole_block_checkpointing(monkeypatch, kept):
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
+def test_off_without_grad_under_other_hooks_and_whole_block_checkpointing(kept):
     model = tiny_model()
+    model.set_rebuild("always")
     images, tokens = synthetic_batch(load_model_configs(TINY_CONFIG), 2, "cpu")
     x = torch.randn(4, requires_grad=True)
-    assert activation_memory.applies(x)
+    assert activation_memory.applies(x, "always")
     with torch.no_grad():
-        assert not activation_memory.applies(x)
+        assert not activation_memory.applies(x, "always")
         model(images, tokens)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        assert not activation_memory.applies(x)
+        assert not activation_memory.applies(x, "always")
         model(images, tokens)
     assert not kept()
     plain = _step(model, images, tokens, False)
@@ -148,18 +149,24 @@ def test_off_without_grad_under_other_hooks_and_whole_block_checkpointing(monkey
         assert torch.equal(checkpointed[name], plain[name]), name
 
 
-def test_policy_by_size_and_its_switch(monkeypatch):
+def test_policy_by_size_and_its_setting():
     """auto: from REBUILD_MIN_ELEMENTS on; always / never; anything else one error naming
-    the variable and the choices."""
+    the key and the choices, from the function, the model and the config."""
     big = activation_memory.REBUILD_MIN_ELEMENTS
-    monkeypatch.delenv("RWKV_CLIP_REBUILD", raising=False)
     assert activation_memory.rebuilds(big) and not activation_memory.rebuilds(big - 1)
     assert not activation_memory.applies(torch.randn(4, requires_grad=True))
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
-    assert not activation_memory.rebuilds(10 * big)
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
-    assert activation_memory.rebuilds(1)
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "sometimes")
-    with pytest.raises(ConfigError, match="RWKV_CLIP_REBUILD='sometimes': expected one of "
+    assert not activation_memory.rebuilds(10 * big, "never")
+    assert activation_memory.rebuilds(1, "always")
+    with pytest.raises(ConfigError, match="rebuild='sometimes': expected one of "
                                           "auto, always, never"):
-        activation_memory.rebuilds(1)
+        activation_memory.rebuilds(1, "sometimes")
+    model = tiny_model()
+    assert model.image_model.rebuild == model.text_model.args.rebuild == "auto"
+    model.set_rebuild("never")
+    assert {layer.rebuild for layer in model.image_model.layers} == {"never"}
+    assert model.text_model.args.rebuild == "never"
+    with pytest.raises(ConfigError, match="rebuild='sometimes'"):
+        model.set_rebuild("sometimes")
+    with pytest.raises(ConfigError, match="rebuild"):
+        tiny_model(rebuild="sometimes")
+    assert tiny_model(rebuild="always").image_model.rebuild == "always"

@@ -177,7 +177,7 @@ def test_main_job_grid_paths_and_run_folders():
     assert path_environment("native") == {}
     assert path_environment("avx2+mkl") == {"ATEN_CPU_CAPABILITY": "avx2",
                                             "ONEDNN_MAX_CPU_ISA": "AVX2",
-                                            "RWKV_CLIP_CPU_LINEAR": "mkl"}
+                                            "RWKV_CLIP_DISPATCH": "linear=mkl"}
     with pytest.raises(ConfigError, match=r"CPU path 'avx3' \(in 'avx2\+avx3'\): expected"):
         path_environment("avx2+avx3")
     assert [r[3] for r in grid([0, 1], ["native"], [None])] == ["seed0", "seed1"]

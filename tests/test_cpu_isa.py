@@ -86,7 +86,6 @@ def test_the_wkv_cpu_build_follows_the_capped_level(fake_cpu, monkeypatch):
     """Capped below the CPU, the WKV kernel is the portable build of the capped level
     (no -march=native, which would use everything the CPU has)."""
     monkeypatch.setattr(build, "cpu_native_isa", lambda: ("amx_test_0123", ["-march=native"]))
-    build.reset_env_overrides()
     fake_cpu(AMX)
     assert build.cpu_kernel_spec().base_name == "rwkv_clip_wkv6_cpu_amx_test_0123"
     assert toolchain.cpu_isa_flags()[0] == "avx512bf16"

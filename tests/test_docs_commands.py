@@ -113,9 +113,8 @@ COMMANDS: dict[str, str] = {
     "torchrun --nproc_per_node 8 zero_shot.py --model-weight model_31.pt --data-root $D "
     "--dataset imagenet": "help",
     # the original's scripts come from deepglint/RWKV-CLIP (not shipped): what they run
-    "RWKV_CLIP_DATA_ROOT=$D bash test_zero_shot_classificaiton.sh": "help: python zero_shot.py",
-    "RWKV_CLIP_DATA_ROOT=$D bash test_zero_shot_retrieval.sh":
-        "help: python text_image_retrieval.py",
+    "bash test_zero_shot_classificaiton.sh": "help: python zero_shot.py",
+    "bash test_zero_shot_retrieval.sh": "help: python text_image_retrieval.py",
     # export of a B/32 run
     "python -m rwkv_clip.export runs/b32/checkpoints/epoch_latest.pt model_31.pt "
     "--ddp-prefix": "help",

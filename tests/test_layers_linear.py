@@ -12,41 +12,44 @@ import torch
 import torch.nn.functional as F
 
 from rwkv_clip.cpu_gemm import (
-    CPU_LINEAR_ENV,
-    CPU_LOWP_MATMUL_ENV,
     cpu_linear_uses_onednn,
     cpu_matmul_choice_reset,
     cpu_matmul_in_fp32,
 )
-from rwkv_clip.errors import PrecisionError
+from rwkv_clip.errors import DispatchError, PrecisionError
 from rwkv_clip.layers.linear import Linear, conv2d, linear, matmul
+from rwkv_clip.ops import dispatch
 
 pytestmark = pytest.mark.cpu_isa
 
 
 @pytest.fixture
 def choose(monkeypatch):
-    """Set a CPU product policy variable for one test (the choices are cached: cleared
-    around it)."""
-    def set_choice(env: str, choice: str) -> None:
-        monkeypatch.setenv(env, choice)
+    """Set a CPU product switch through ``$RWKV_CLIP_DISPATCH`` for one test (the
+    override and the CPU rule's answers are cached: cleared around it)."""
+    chosen: dict[str, str] = {}
+
+    def set_choice(switch: str, choice: str) -> None:
+        chosen[switch] = choice
+        monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, ",".join(f"{k}={v}" for k, v in chosen.items()))
+        dispatch.reset()
         cpu_matmul_choice_reset()
     yield set_choice
-    for env in (CPU_LOWP_MATMUL_ENV, CPU_LINEAR_ENV):
-        monkeypatch.delenv(env, raising=False)
+    monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
+    dispatch.reset()
     cpu_matmul_choice_reset()
 
 
 @pytest.fixture
 def policy(choose):
-    """The low-precision policy (RWKV_CLIP_CPU_LOWP_MATMUL) for one test."""
-    return lambda choice: choose(CPU_LOWP_MATMUL_ENV, choice)
+    """The low-precision switch (RWKV_CLIP_DISPATCH=lowp_matmul=...) for one test."""
+    return lambda choice: choose("lowp_matmul", choice)
 
 
 @pytest.fixture
 def fp32_linear(choose):
-    """The fp32 Linear backend (RWKV_CLIP_CPU_LINEAR) for one test."""
-    return lambda choice: choose(CPU_LINEAR_ENV, choice)
+    """The fp32 Linear switch (RWKV_CLIP_DISPATCH=linear=...) for one test."""
+    return lambda choice: choose("linear", choice)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,8 +100,24 @@ def test_policy_choices(policy):
     assert cpu_matmul_in_fp32(torch.bfloat16) is True
     assert cpu_matmul_in_fp32(torch.float16) is True
     policy("fast please")
-    with pytest.raises(PrecisionError, match=CPU_LOWP_MATMUL_ENV + ".*auto, native, fp32"):
+    with pytest.raises(DispatchError, match="^unknown lowp_matmul choice 'fast please' "
+                                            r"\(from RWKV_CLIP_DISPATCH\); expected one of "
+                                            "auto, native, fp32$"):
         cpu_matmul_in_fp32(torch.bfloat16)
+
+
+def test_policy_pinned_through_dispatch_pin(policy):
+    """dispatch.pin takes the switch too (the override wins over it)."""
+    try:
+        dispatch.pin({"lowp_matmul": "fp32"})
+        assert cpu_matmul_in_fp32(torch.bfloat16) is True
+        dispatch.pin("lowp_matmul=native,linear=mkl")
+        assert cpu_matmul_in_fp32(torch.bfloat16) is False and cpu_linear_uses_onednn() is False
+        policy("fp32")
+        dispatch.pin({"lowp_matmul": "native"})
+        assert cpu_matmul_in_fp32(torch.bfloat16) is True
+    finally:
+        dispatch.pin({})
 
 
 def test_no_autocast_is_plain_torch(policy, fp32_linear):
@@ -256,14 +275,15 @@ def test_fp32_linear_backend_choices(fp32_linear):
     assert cpu_linear_uses_onednn() is (torch.backends.mkldnn.is_available()
                                         and cpu_info().vendor == "AuthenticAMD")
     fp32_linear("blas")
-    with pytest.raises(PrecisionError, match=CPU_LINEAR_ENV + ".*auto, onednn, mkl"):
+    with pytest.raises(DispatchError, match="unknown linear choice 'blas'.*expected one of "
+                                            "auto, onednn, mkl$"):
         cpu_linear_uses_onednn()
 
 
 def test_forced_onednn_without_onednn_is_a_precision_error(fp32_linear, monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     fp32_linear("onednn")
-    with pytest.raises(PrecisionError, match=CPU_LINEAR_ENV + "=onednn: .*no oneDNN"):
+    with pytest.raises(PrecisionError, match="linear=onednn: .*no oneDNN"):
         cpu_linear_uses_onednn()
     fp32_linear("auto")  # auto quietly keeps torch's default
     assert cpu_linear_uses_onednn() is False

@@ -2,6 +2,7 @@
 measured step (slow)."""
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -33,6 +34,20 @@ def tiny(repo_root):
     args = load_model_configs(str(path))
     torch.manual_seed(0)
     return path, args, create_RWKV_Model(args)
+
+
+def _rebuilding(args, rebuild):
+    """A copy of ``args`` with the config key ``rebuild`` set (the fixture's stays)."""
+    out = copy.copy(args)
+    out.rebuild = rebuild
+    return out
+
+
+def _set_rebuild(monkeypatch, model, rebuild):
+    """The module's model under ``rebuild`` for one test."""
+    for layer in model.image_model.layers:
+        monkeypatch.setattr(layer, "rebuild", rebuild)
+    monkeypatch.setattr(model.text_model.args, "rebuild", rebuild)
 
 
 def _model_bytes(model):
@@ -141,15 +156,16 @@ def test_saved_activations_match_autograd(tiny, precision, monkeypatch):
     """The op-by-op count equals the bytes autograd really saves in a forward (CPU, native
     WKV kernel; bf16 = CPU autocast rules, autocast weight copies included), tensors
     sharing storage counted once, parameters and inputs excluded: every branch plain,
-    and every branch under the activation-memory policy (``RWKV_CLIP_REBUILD=always``;
+    and every branch under the activation-memory policy (config key ``rebuild`` always;
     the tiny batch is below auto's size), where it keeps less."""
     _, args, model = tiny
     batch = 3
     images, tokens = synthetic_batch(args, batch, "cpu")
     amp = None if precision == "fp32" else torch.bfloat16
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
+    _set_rebuild(monkeypatch, model, "never")
     real = _saved_storages(model, images, tokens, amp)
-    plan = activation_segments(args, batch, None if amp is None else "bf16", "cpu")
+    plan = activation_segments(_rebuilding(args, "never"), batch,
+                               None if amp is None else "bf16", "cpu")
     counted = sum(s.saved + s.casts for s in plan.segments)
     assert not any(s.rebuilt for s in plan.segments)
     # equal up to a few scalars and per-row statistics the walker lumps together
@@ -159,7 +175,7 @@ def test_saved_activations_match_autograd(tiny, precision, monkeypatch):
 
     # the policy: counted with the count's own hook in place (someone else's hooks
     # otherwise turn it off)
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "always")
+    _set_rebuild(monkeypatch, model, "always")
     branches = []
     make = activation_memory.create_selective_checkpoint_contexts
     run = activation_memory.checkpoint
@@ -174,29 +190,28 @@ def test_saved_activations_match_autograd(tiny, precision, monkeypatch):
         return run(fn, x, **kwargs)
     monkeypatch.setattr(activation_memory, "create_selective_checkpoint_contexts", contexts)
     monkeypatch.setattr(activation_memory, "checkpoint", checkpoint)
-    monkeypatch.setattr(activation_memory, "applies", lambda x: torch.is_grad_enabled())
+    monkeypatch.setattr(activation_memory, "applies", lambda x, rebuild: torch.is_grad_enabled())
     kept = _saved_storages(model, images, tokens, amp, branches)
     assert len(branches) == 2 * (args.image_depth + args.n_layer)
-    plan = activation_segments(args, batch, None if amp is None else "bf16", "cpu")
+    plan = activation_segments(_rebuilding(args, "always"), batch,
+                               None if amp is None else "bf16", "cpu")
     planned = sum(s.saved + s.casts for s in plan.segments)
     print(f"kept under the policy {kept}, planned {planned}")
     assert planned < 0.8 * counted
     assert abs(kept - planned) / planned < tolerance, (kept, planned)
 
 
-def test_checkpointing_reduces_activations(tiny, monkeypatch):
+def test_checkpointing_reduces_activations(tiny):
     _, args, _ = tiny
-    monkeypatch.delenv("RWKV_CLIP_REBUILD", raising=False)
     off = training_peak(args, 256, "bf16", checkpointing=False)
     on = training_peak(args, 256, "bf16", checkpointing=True)
     assert on["training_peak_bytes"] < off["training_peak_bytes"]
     # batch 256 is above auto's size: the branches keep about a third of what plain
     # autograd saves; a whole-block checkpoint turns that policy off inside it
-    monkeypatch.setenv("RWKV_CLIP_REBUILD", "never")
-    plain = training_peak(args, 256, "bf16", checkpointing=False)
+    plain = training_peak(_rebuilding(args, "never"), 256, "bf16", checkpointing=False)
     assert off["activation_bytes"] < plain["activation_bytes"] * 0.5
     assert on["activation_bytes"] < plain["activation_bytes"] * 0.7
-    assert training_peak(args, 256, "bf16", checkpointing=True) == on
+    assert training_peak(_rebuilding(args, "never"), 256, "bf16", checkpointing=True) == on
 
 
 def test_gradient_accumulation_divides_activations(tiny):

@@ -1,6 +1,6 @@
 """text_image_retrieval.py with the flags the original's shell/test_zero_shot_retrieval.sh
-passes (the tiny model's values, no --config, no --input-size, --precision bf16), the data
-folder from RWKV_CLIP_DATA_ROOT, on a tiny set in the original's COCO layout."""
+passes (the tiny model's values, no --config, no --input-size, --precision bf16), plus
+--data-root, on a tiny set in the original's COCO layout."""
 import json
 import os
 import subprocess
@@ -48,11 +48,10 @@ def test_original_retrieval_flags_on_coco_layout(tmp_path):
              "--head-size", 32, "--head-size-divisor", 8, "--n-embd", 64, "--n-layer", 2,
              "--text-initialization", "True"]
     # one data root for every set, as the shell script has: the set is its coco/ sub-folder
-    env = dict(os.environ, RWKV_CLIP_DATA_ROOT=str(tmp_path), HF_HUB_OFFLINE="1",
-               CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, "text_image_retrieval.py", *map(str, flags),
-                        "--workers", "0"], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=600)
+                        "--data-root", str(tmp_path), "--workers", "0"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "RWKV_CLIP_tiny (inferred" in r.stdout and "computing in fp32" in r.stdout
     record = json.loads((tmp_path / "out" / "mscoco_zeroshot_retrieval.json").read_text())

@@ -60,6 +60,20 @@ def test_config_then_flags_override():
     assert args.dim_att == 128 and args.dim_ffn == int(128 * 3.5 // 32 * 32)
 
 
+def test_rebuild_flag_overrides_the_config_key(tmp_path):
+    """--rebuild sets the config key rebuild (the activation-memory policy's scope); a
+    config may carry it; the default is auto."""
+    assert parse_args(["--config", TINY_CONFIG]).rebuild == "auto"
+    args = parse_args(["--config", TINY_CONFIG, "--rebuild", "never"])
+    assert args.rebuild == "never" and args.model_config["rebuild"] == "never"
+    import json
+    config = json.loads((REPO / "model_config" / "RWKV_CLIP_tiny.json").read_text())
+    path = tmp_path / "tiny_always.json"
+    path.write_text(json.dumps({**config, "rebuild": "always"}))
+    assert parse_args(["--config", str(path)]).rebuild == "always"
+    assert parse_args(["--config", str(path), "--rebuild", "auto"]).rebuild == "auto"
+
+
 @pytest.mark.parametrize("text,value", [("True", True), ("true", True), ("1", True),
                                         ("False", False), ("0", False), ("no", False)])
 def test_booleans(text, value):
@@ -87,6 +101,7 @@ def test_bare_boolean_flag_means_true():
     (["--lock-image", "--lock-text"], "unlock one tower"),
     (["--resume", "latest", "--pretrained", "x.pt"], "exclude each other"),
     (["--warmup", "1.5"], "--warmup"),
+    (["--rebuild", "sometimes"], "invalid choice"),
     (["--image-output-cls-token", "True"], "image_with_cls_token"),
 ])
 def test_bad_flags_exit_with_a_clear_message(argv, message, capsys):

@@ -109,7 +109,7 @@ def test_kernel_notice_only_when_the_cpu_kernel_is_not_cached(tmp_path, monkeypa
 def test_kernel_notice_before_a_first_build(tmp_path, monkeypatch):
     from rwkv_clip.ops import build, prepare_wkv_kernel
 
-    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("RWKV_CLIP_CACHE", str(tmp_path))
     monkeypatch.setattr(build, "_loaded", {})
     log = logging.getLogger("test_kernel_notice_slow")
     rec = _Recorder()

@@ -335,7 +335,7 @@ def test_two_processes_build_the_same_kernel_into_a_fresh_cache(tmp_path):
         "assert torch.allclose(y, wkv6_bidirectional_reference(*x, u), atol=1e-5)\n"
         "print('OK')\n")
     repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, RWKV_CLIP_KERNEL_CACHE=str(tmp_path / "cache"),
+    env = dict(os.environ, RWKV_CLIP_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(tmp_path),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -466,7 +466,7 @@ def test_lock_of_a_killed_builder_does_not_block(tmp_path):
 def test_failed_compile_raises_kernel_build_error_with_compiler_output(
         tmp_path, monkeypatch, capsys, case):
     from rwkv_clip.errors import KernelBuildError
-    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RWKV_CLIP_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "broken_kernel.cpp"
     if case == "syntax error":
         src.write_text("int broken_function( { return 0; }\n")
@@ -488,7 +488,7 @@ def test_failed_compile_raises_kernel_build_error_with_compiler_output(
     err = capsys.readouterr().err
     assert err.count("building the WKV kernel for") == 1
     assert f"building the WKV kernel for {spec.what} (first use)" in err
-    assert not (tmp_path / "cache" / spec.name / "built.json").exists()
+    assert not (tmp_path / "cache" / "kernels" / spec.name / "built.json").exists()
 
 
 @pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
@@ -498,7 +498,7 @@ def test_build_cli_failure_is_one_error_line_and_exit_2(tmp_path):
     import sys
     from pathlib import Path
     repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, RWKV_CLIP_KERNEL_CACHE=str(tmp_path / "cache"), CXX="false",
+    env = dict(os.environ, RWKV_CLIP_CACHE=str(tmp_path / "cache"), CXX="false",
                PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-m", "rwkv_clip.ops", "build", "--no-cuda"], env=env,
                          capture_output=True, text=True, timeout=300)
@@ -621,14 +621,6 @@ def test_compiled_model_matches_eager_with_no_graph_break():
 
 # ------------------------------------------------------- the CPU kernel's instruction set
 @pytest.fixture
-def fresh_env_overrides():
-    """The cached environment overrides read afresh in the test and after it."""
-    build.reset_env_overrides()
-    yield
-    build.reset_env_overrides()
-
-
-@pytest.fixture
 def uncapped(monkeypatch):
     """The CPU at its own level for one test: the forced-path stage's caps
     (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA; rwkv_clip.cpu_isa) lifted, for the tests
@@ -641,15 +633,7 @@ def uncapped(monkeypatch):
     cpu_isa._cpu_info.cache_clear()
 
 
-def test_an_unknown_cpu_isa_choice_is_a_wkv_error(monkeypatch, fresh_env_overrides):
-    monkeypatch.setenv(build.CPU_ISA_ENV_VAR, "avx2")
-    with pytest.raises(WKVError, match="RWKV_CLIP_WKV_CPU_ISA='avx2': expected 'native' or "
-                                       "'portable'"):
-        build.cpu_kernel_spec()
-
-
-def test_cpu_build_targets_this_machines_instruction_set(monkeypatch, fresh_env_overrides,
-                                                        uncapped):
+def test_cpu_build_targets_this_machines_instruction_set(monkeypatch, uncapped):
     """The CPU kernel is built with -march=native, named after the level and the exact
     feature set the compiler enables; another feature set is another cache entry, and the
     portable build (explicit flags from /proc/cpuinfo) is yet another."""
@@ -677,16 +661,13 @@ def test_cpu_build_targets_this_machines_instruction_set(monkeypatch, fresh_env_
     monkeypatch.setattr(toolchain, "_native_target", lambda cxx: (cpu, features[1:]))
     other = build.cpu_kernel_spec()
     assert other.base_name != spec.base_name and other.name != spec.name
-    monkeypatch.setenv(build.CPU_ISA_ENV_VAR, "portable")
-    build.reset_env_overrides()
-    assert build.cpu_kernel_spec() == portable
 
 
 def test_a_lock_timeout_is_not_a_failed_native_build(tmp_path, monkeypatch, uncapped):
     """Waiting too long for another builder's lock neither marks the native build as
     failed (that would pin this cache to the portable build) nor builds the portable one."""
     from rwkv_clip.errors import KernelLockTimeoutError
-    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RWKV_CLIP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(build, "_loaded", {})
     monkeypatch.setattr(build, "check_cxx", lambda: None)
     monkeypatch.setattr(build, "cpu_native_isa", lambda: ("fake_native", ["-march=native"]))
@@ -725,7 +706,7 @@ def test_narrower_instruction_sets_match_the_reference(tmp_path, monkeypatch, cp
     """The portable builds for CPUs with fewer vector registers (AVX2: 16; none: SSE2)
     take other tile shapes in the backward, and compilers without vector shuffles sum the
     lanes one by one: forward and gradients against the reference."""
-    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RWKV_CLIP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(toolchain, "_cpu_flags", lambda: set(cpu_flags))
     spec = build.cpu_kernel_spec(portable=True)
     assert "-mavx512f" not in spec.cflags
@@ -746,7 +727,7 @@ def test_narrower_instruction_sets_match_the_reference(tmp_path, monkeypatch, cp
 @cpu_kernel
 def test_native_build_failure_falls_back_to_the_portable_build(tmp_path, monkeypatch, capsys,
                                                                uncapped):
-    monkeypatch.setenv("RWKV_CLIP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RWKV_CLIP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(toolchain, "cpu_native_isa", lambda: ("broken_isa", ["-mno-such-isa-flag"]))
     monkeypatch.setattr(build, "cpu_native_isa", toolchain.cpu_native_isa)
     monkeypatch.setattr(build, "_loaded", {})

@@ -23,13 +23,14 @@ from typing import Any
 from ..compiling import INDUCTOR_CACHE_ENV, inductor_cache_dir
 from ..errors import ConfigError
 
-# environment of each CPU path (the variables torch, oneDNN and rwkv_clip.cpu_gemm read)
+# environment of each CPU path (the variables torch and oneDNN read; the dispatch override
+# for rwkv_clip.cpu_gemm's switches)
 CPU_PATHS: dict[str, dict[str, str]] = {
     "native": {},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
     "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
-    "mkl": {"RWKV_CLIP_CPU_LINEAR": "mkl"},
-    "onednn": {"RWKV_CLIP_CPU_LINEAR": "onednn"},
+    "mkl": {"RWKV_CLIP_DISPATCH": "linear=mkl"},
+    "onednn": {"RWKV_CLIP_DISPATCH": "linear=onednn"},
 }
 WKV_LINE = re.compile(r"WKV: (?P<wkv>.*?) \(choice")
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..host_memory import add_host_malloc_flag
 from .versus import (
     MEMORY_METHODS,
     PRECISIONS,
@@ -404,6 +405,7 @@ def add_flags(ap: Any) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    add_host_malloc_flag(ap)
     ap.add_argument("--max-seconds", type=float, default=1800.0,
                     help="skip a case predicted (from the smaller sides) to end past this "
                          "many seconds of the sweep (default 1800)")
@@ -453,7 +455,7 @@ def main(ns: Any) -> int:
     theirs_version = import_open_clip().__version__ if sweep.versus else None
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
-    host_malloc = configure_host_malloc(sweep.device)  # as train.py, for both models
+    host_malloc = configure_host_malloc(sweep.device, ns.host_malloc)  # as train.py, both models
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -461,7 +461,8 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
         raise ConfigError("--repeats and --versus-warmup must be at least 1 (compiled models "
                           "compile during warm-up)")
     torch.set_num_threads(ns.versus_threads)
-    host_malloc = configure_host_malloc("cpu")  # as train.py on the CPU: for both models
+    # as train.py on the CPU: for both models
+    host_malloc = configure_host_malloc("cpu", ns.host_malloc)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

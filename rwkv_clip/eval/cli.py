@@ -7,16 +7,15 @@ scripts run with only their paths filled in (docs/evaluation.md).
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 
 from ..config import INPUT_SIZE_FLAGS, str2bool
 from ..errors import EvalError, OneLineArgumentParser, run_cli
 from ..faults import DEFAULT_DIST_TIMEOUT
+from ..host_memory import add_host_malloc_flag
 from ..text_files import check_encoding
 from .runner import ARCH_FLAGS, run
 
-DATA_ROOT_ENV = "RWKV_CLIP_DATA_ROOT"
 CLASSIFICATION_SETS = ("cifar10, cifar100, food101, pets, flowers, sun397, stanford_car, dtd, "
                        "caltech101, aircraft, imagenet")
 _BOOL_FLAGS = ("image_output_cls_token", "image_with_cls_token", "text_initialization")
@@ -102,14 +101,13 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
                             "default), builtin_shifted (its distribution-shifted split). "
                             "Retrieval: mscoco (coco), flickr30k (flickr), urban1k, "
                             "sharegpt4v, dci, jsonl (--retrieval-file).")
-    g.add_argument("--data-root", default=os.environ.get(DATA_ROOT_ENV), metavar="DIR",
+    g.add_argument("--data-root", default=None, metavar="DIR",
                    help="folder holding the sets in torchvision's layouts (e.g. "
                         "DIR/cifar-10-batches-py, DIR/imagenet/val/<wnid>/ or "
                         "DIR/imagenet/val.rec + val.idx); for imagefolder the image folder "
                         "itself; for retrieval the folder with the Karpathy test JSON and the "
                         "images (JSONL: image paths are relative to it, default the JSONL's "
-                        f"folder). Default: ${DATA_ROOT_ENV}. A missing set prints the "
-                        "expected layout.")
+                        "folder). A missing set prints the expected layout.")
     if not retrieval:
         g.add_argument("--templates", default=None, metavar="FILE",
                        help="prompt templates: JSON list, JSON object keyed by dataset (like "
@@ -168,6 +166,7 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available; under torchrun "
                         "each rank uses cuda:LOCAL_RANK)")
+    add_host_malloc_flag(g)
     g.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT,
                    metavar="SECONDS",
                    help="under torchrun or srun: how long a collective waits for a stuck "
@@ -237,7 +236,8 @@ def _main(argv: Sequence[str] | None, retrieval: bool) -> int:
     from ..ops import check_wkv_environment
     check_wkv_environment()  # a mistyped kernel name stops here, on every device
     # the process is ours: on the CPU it keeps freed memory for the next batch's reuse
-    configure_host_malloc(pick_device(opts.device or "auto", launch_environment()[2]))
+    configure_host_malloc(pick_device(opts.device or "auto", launch_environment()[2]),
+                          opts.host_malloc)
     run(opts)
     return 0
 

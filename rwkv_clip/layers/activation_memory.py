@@ -6,8 +6,9 @@ that the backward reads (:data:`KEPT_PROJECTIONS`) and the WKV's result, whose
 recomputation would cost a GEMM or the WKV again. Recomputed in the backward, from the
 branch's input: the cheap glue (norms, token shifts, lerps, casts, the low-rank LoRA
 products, tanh, silu, the squared ReLU, the gate product) and the output projection,
-whose result nothing in the backward reads. ``RWKV_CLIP_REBUILD`` says where the policy
-applies (:func:`rebuilds`); elsewhere the branch runs as plain autograd.
+whose result nothing in the backward reads. The config key ``rebuild`` (train.py
+``--rebuild``) says where the policy applies (:func:`rebuilds`); elsewhere the branch
+runs as plain autograd.
 """
 from __future__ import annotations
 
@@ -23,11 +24,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ..cpu_gemm import env_choice
+from ..config import REBUILD_CHOICES
 from ..errors import ConfigError
 
-REBUILD_ENV = "RWKV_CLIP_REBUILD"
-REBUILD_CHOICES = ("auto", "always", "never")
 # auto: branches whose input has at least this many elements (batch x tokens x channels);
 # below it the saved bytes are small and the recomputation's share of the step is not.
 REBUILD_MIN_ELEMENTS = 1 << 20
@@ -38,12 +37,13 @@ REBUILD_MIN_ELEMENTS = 1 << 20
 KEPT_PROJECTIONS = ("receptance", "key", "value", "gate")
 
 
-def rebuilds(numel: int) -> bool:
+def rebuilds(numel: int, rebuild: str = "auto") -> bool:
     """Whether a branch whose input has ``numel`` elements keeps only what the policy
-    names and recomputes the rest in the backward: ``RWKV_CLIP_REBUILD`` = ``auto``
-    (default: from :data:`REBUILD_MIN_ELEMENTS` on), ``always`` or ``never``."""
-    choice = env_choice(REBUILD_ENV, REBUILD_CHOICES, ConfigError)
-    return choice == "always" or (choice == "auto" and numel >= REBUILD_MIN_ELEMENTS)
+    names and recomputes the rest in the backward, under the config's ``rebuild``:
+    ``auto`` (from :data:`REBUILD_MIN_ELEMENTS` on), ``always`` or ``never``."""
+    if rebuild not in REBUILD_CHOICES:
+        raise ConfigError(f"rebuild={rebuild!r}: expected one of {', '.join(REBUILD_CHOICES)}")
+    return rebuild == "always" or (rebuild == "auto" and numel >= REBUILD_MIN_ELEMENTS)
 
 
 def _traced() -> bool:
@@ -51,21 +51,21 @@ def _traced() -> bool:
             or torch.compiler.is_exporting())
 
 
-def applies(x: torch.Tensor) -> bool:
+def applies(x: torch.Tensor, rebuild: str = "auto") -> bool:
     """Whether a branch with input ``x`` runs under the policy: with grad, not while
     tracing, compiling or exporting, not under someone else's saved-tensor hooks
     (whole-block checkpointing, offloading: they keep their own policy), and where
     :func:`rebuilds` says so."""
     return (torch.is_grad_enabled() and not _traced()
             and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-            and rebuilds(x.numel()))
+            and rebuilds(x.numel(), rebuild))
 
 
 def residual_branch(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                    mix: nn.Module) -> torch.Tensor:
+                    mix: nn.Module, rebuild: str = "auto") -> torch.Tensor:
     """``fn(x)``, the residual branch whose mix is ``mix``, under the policy where it
-    :func:`applies`."""
-    if not applies(x):
+    :func:`applies` (``rebuild``: the config key)."""
+    if not applies(x, rebuild):
         return fn(x)
     return checkpoint(fn, x, use_reentrant=False,
                       context_fn=functools.partial(_contexts, mix))
@@ -155,5 +155,5 @@ def _contexts(mix: nn.Module) -> tuple[Any, Any]:
     return _Hooked(forward, policy), _Hooked(recompute, policy)
 
 
-__all__ = ["KEPT_PROJECTIONS", "REBUILD_ENV", "REBUILD_MIN_ELEMENTS", "applies", "rebuilds",
+__all__ = ["KEPT_PROJECTIONS", "REBUILD_CHOICES", "REBUILD_MIN_ELEMENTS", "applies", "rebuilds",
            "residual_branch"]

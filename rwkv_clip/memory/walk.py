@@ -90,6 +90,7 @@ class Walker:
         self._rebuilt_casts = 0
         self.rebuilding = False  # set per block (rwkv_clip.layers.activation_memory.rebuilds)
         self.policy_off = False  # whole-block checkpointing: no block rebuilds
+        self.rebuild = "auto"    # the config key rebuild
         self._branch: tuple[set[int], set[int], int] | None = None  # saved before, kept, casts
         # weight copies autocast makes inside branches under the policy: the graph keeps
         # none of them, so they live until autocast exits, not into the backward
@@ -389,7 +390,7 @@ def _block(w: Walker, x: Sym, C: int, A: int, H: int, Fh: int, first: bool, imag
            decay_dtype: str, amp_grad: str) -> tuple[Sym, int, int]:
     rows = x.n // C
     inf0 = x.n * _SIZES[x.dtype]
-    w.rebuilding = not w.policy_off and rebuilds(x.n)
+    w.rebuilding = not w.policy_off and rebuilds(x.n, w.rebuild)
     if first:
         x = w.norm_layer("layer_norm", x, rows)           # ln0
     w.begin_branch(x)
@@ -463,6 +464,7 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
     img = Sym(B * 3 * S * S, "fp32", rg=False)            # input: no grad, saved by conv
     w = Walker(amp, device)
     w.policy_off = checkpointing
+    w.rebuild = _cfg(args, "rebuild", "auto")
     ft = params.finetune
     if ft is not None:
         from .finetune import configure_walker

@@ -230,6 +230,9 @@ def wkv6_bidirectional(r, k, v, w, u, backend: str | None = None) -> torch.Tenso
     return impl.fn(r, k, v, w, u)
 
 
+# the dispatch switches linear and lowp_matmul, pinnable as soon as the table is
+from .. import cpu_gemm  # noqa: E402,F401
+
 __all__ = ["WKV", "WKVError", "check_inputs", "check_wkv_environment", "describe_wkv",
            "dispatch", "prepare_wkv_kernel", "wkv6_bidirectional",
            "wkv6_bidirectional_reference"]

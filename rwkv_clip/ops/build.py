@@ -67,27 +67,6 @@ def check_cuda_head_size(N: int) -> None:
         raise WKVError(f"rwkv_clip: {problem}")
 
 
-_env_overrides: dict[str, str | None] = {}
-
-
-def env_override(name: str) -> str | None:
-    """``os.environ[name]`` (None when unset or empty), read once per process and cached.
-
-    The WKV op runs thousands of times per step and inside ``torch.compile``d graphs; an
-    environment lookup per call costs time and, under tracing, a guard or a graph break.
-    Tests that change the variable call :func:`reset_env_overrides`."""
-    try:
-        return _env_overrides[name]
-    except KeyError:
-        value = _env_overrides[name] = os.environ.get(name) or None
-        return value
-
-
-def reset_env_overrides() -> None:
-    """Forget the cached environment overrides (read again on the next call)."""
-    _env_overrides.clear()
-
-
 def resolve_cuda_variant(variant: str | None = None) -> str:
     """The CUDA WKV kernel: ``variant``, else the default; an unknown name is a
     :class:`WKVError` naming the allowed ones."""
@@ -206,22 +185,17 @@ def _loaded_or_build(cache_key: tuple, build):
         return mod
 
 
-CPU_ISA_ENV_VAR = "RWKV_CLIP_WKV_CPU_ISA"
 NATIVE_FAILED_MARKER = "native_build_failed.txt"
 
 
 def cpu_kernel_spec(portable: bool | None = None) -> KernelSpec:
     """The CPU kernel's build: for this machine's own instruction set (``-march=native``)
-    unless ``portable`` (default: ``$RWKV_CLIP_WKV_CPU_ISA`` is ``portable``, or the level
-    is capped below the CPU's, :mod:`rwkv_clip.cpu_isa`) or the compiler cannot target it;
-    the portable build has the explicit flags of the best level /proc/cpuinfo shows within
-    that cap (AVX-512 with or without BF16, AVX2, or none)."""
+    unless ``portable`` (default: whether the level is capped below the CPU's,
+    ``ATEN_CPU_CAPABILITY`` or ``ONEDNN_MAX_CPU_ISA``, :mod:`rwkv_clip.cpu_isa`) or the
+    compiler cannot target it; the portable build has the explicit flags of the best level
+    /proc/cpuinfo shows within that cap (AVX-512 with or without BF16, AVX2, or none)."""
     if portable is None:
-        choice = (env_override(CPU_ISA_ENV_VAR) or "native").strip().lower()
-        if choice not in ("native", "portable"):
-            raise WKVError(f"rwkv_clip: {CPU_ISA_ENV_VAR}={choice!r}: expected 'native' or "
-                           "'portable'")
-        portable = choice == "portable" or cpu_level_capped()
+        portable = cpu_level_capped()
     native = None if portable else cpu_native_isa()
     tag, isa = native if native is not None else cpu_isa_flags()
     kind = "native" if native is not None else "portable"

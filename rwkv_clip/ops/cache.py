@@ -25,11 +25,12 @@ CACHE_FORMAT = 3  # bump when the folder layout or the key's contents change
 
 
 def cache_root() -> Path:
-    """``$RWKV_CLIP_KERNEL_CACHE`` if set, else ``$TORCH_EXTENSIONS_DIR/rwkv_clip`` if that
-    is set, else ``~/.cache/rwkv_clip/kernels``."""
-    base = os.environ.get("RWKV_CLIP_KERNEL_CACHE")
+    """``$RWKV_CLIP_CACHE/kernels`` if that is set (the root of every rwkv_clip cache,
+    :func:`rwkv_clip.data.builtin.default_cache_root`), else
+    ``$TORCH_EXTENSIONS_DIR/rwkv_clip`` if that is set, else ``~/.cache/rwkv_clip/kernels``."""
+    base = os.environ.get("RWKV_CLIP_CACHE")
     if base:
-        root = Path(base)
+        root = Path(base) / "kernels"
     elif os.environ.get("TORCH_EXTENSIONS_DIR"):
         root = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "rwkv_clip"
     else:
@@ -153,7 +154,7 @@ def library_namespace(name: str, build_dir: Path) -> str:
 
     A namespace can be registered once per process (a second ``TORCH_LIBRARY`` of the
     same name aborts it), and the same build (same ``name``) may be loaded from two cache
-    folders in one process (``$RWKV_CLIP_KERNEL_CACHE`` changed, tests). So the folder's
+    folders in one process (``$RWKV_CLIP_CACHE`` changed, tests). So the folder's
     path joins the name. It is the library's file name and ``TORCH_EXTENSION_NAME`` (the
     build key does not see it); a moved cache folder therefore builds afresh."""
     where = hashlib.sha256(str(build_dir.resolve()).encode()).hexdigest()[:8]

@@ -17,6 +17,10 @@ For one (op, device, dtype, shape class) the choice is, first that applies:
    it), the survivors are timed at the real shape (the reference only when nothing
    else survives), the fastest is cached on disk.
 
+A :class:`Switch` is a choice between fast paths that a fixed rule makes instead of a
+measurement (``linear``, ``lowp_matmul``: :mod:`rwkv_clip.cpu_gemm`); it is pinned the
+same way (``$RWKV_CLIP_DISPATCH``, :func:`pin`, read through :func:`pinned`).
+
 Each choice is reported once per process in one line (:func:`set_reporter`), e.g.
 ``wkv: cuda-fast (0.11 ms) over chunked (0.2 ms), bfloat16, T=197 N=64``; :func:`choices` returns
 them for the run folder. Nothing is timed or read at import.
@@ -137,7 +141,26 @@ class Choice:
                 "times_ms": dict(self.times_ms)}
 
 
+@dataclass(frozen=True)
+class Switch:
+    """A choice between fast paths made by its owner's rule (``auto``) unless a pin names
+    one of ``choices``; nothing is checked or timed."""
+
+    name: str
+    choices: tuple[str, ...]
+
+    def allowed_names(self) -> list[str]:
+        return [AUTO, *self.choices]
+
+    def resolve(self, name: str, device_type: str | None = None, source: str = "argument") -> str:
+        if name in self.choices:
+            return name
+        raise DispatchError(f"unknown {self.name} choice {name!r} (from {source}); "
+                            f"expected one of {', '.join(self.allowed_names())}")
+
+
 TABLE: dict[str, Op] = {}
+SWITCHES: dict[str, Switch] = {}
 _pins: dict[str, str] = {}
 _override: dict[str, str] | None = None      # $RWKV_CLIP_DISPATCH, parsed once
 _memo: dict[str, Choice] = {}                # one per (op, device, dtype, shape class)
@@ -169,6 +192,15 @@ def register_op(op: Op) -> Op:
     return op
 
 
+def register_switch(switch: Switch) -> Switch:
+    SWITCHES[switch.name] = switch
+    return switch
+
+
+def _pinnable() -> str:
+    return ", ".join([*TABLE, *SWITCHES])
+
+
 def get_op(name: str) -> Op:
     try:
         return TABLE[name]
@@ -185,34 +217,61 @@ def parse_pins(text: str, source: str) -> dict[str, str]:
         op_name, sep, impl = (s.strip() for s in item.partition("="))
         if not sep or not impl:
             raise DispatchError(f"{source}: {item!r} is not op=implementation (ops: "
-                                f"{', '.join(TABLE)})")
-        try:
-            op = TABLE[op_name]
-        except KeyError:
+                                f"{_pinnable()})")
+        op: Op | Switch | None = TABLE.get(op_name) or SWITCHES.get(op_name)
+        if op is None:
             raise DispatchError(f"{source}: unknown op {op_name!r}; expected one of "
-                                f"{', '.join(TABLE)}") from None
+                                f"{_pinnable()}")
         if impl != AUTO:
             op.resolve(impl, source=source)
             pins[op_name] = impl
     return pins
 
 
-# variables whose choice RWKV_CLIP_DISPATCH makes: set, they stop the run rather than be
-# ignored
-REPLACED_ENV_VARS = {"RWKV_CLIP_WKV_BACKEND": "wkv=reference|cpu|cuda-fast|...",
-                     "RWKV_CLIP_WKV_CUDA_VARIANT": "wkv=cuda-fast|cuda-faithful|chunked"}
+# RWKV_CLIP_* variables no longer read -> what to use instead. Set, one stops the run with
+# one line rather than be ignored (checked with the override, which every command-line
+# program reads before any set-up). The variables read: ENV_VARS.
+REPLACED_ENV_VARS = {
+    "RWKV_CLIP_WKV_BACKEND": "RWKV_CLIP_DISPATCH=wkv=reference|cpu|cuda-fast|...",
+    "RWKV_CLIP_WKV_CUDA_VARIANT": "RWKV_CLIP_DISPATCH=wkv=cuda-fast|cuda-faithful|chunked",
+    "RWKV_CLIP_CPU_LINEAR": "RWKV_CLIP_DISPATCH=linear=onednn|mkl",
+    "RWKV_CLIP_CPU_LOWP_MATMUL": "RWKV_CLIP_DISPATCH=lowp_matmul=native|fp32",
+    "RWKV_CLIP_WKV_CPU_ISA": "ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA below the CPU's "
+                             "level (the CPU kernel's portable build of that level)",
+    "RWKV_CLIP_KERNEL_CACHE": "RWKV_CLIP_CACHE (kernels in $RWKV_CLIP_CACHE/kernels)",
+    "RWKV_CLIP_REBUILD": "the config key rebuild or train.py --rebuild auto|always|never",
+    "RWKV_CLIP_HOST_MALLOC": "the flag --host-malloc auto|retain|system",
+    "RWKV_CLIP_DATA_ROOT": "the flag --data-root DIR",
+    "RWKV_CLIP_INSTALLER": "bash scripts/bootstrap.sh --pip",
+    "RWKV_CLIP_EXTRAS": "bash scripts/bootstrap.sh --extras LIST",
+}
+# every RWKV_CLIP_* variable the package reads (docs/training.md#environment-variables)
+ENV_VARS = ("RWKV_CLIP_CACHE", "RWKV_CLIP_DISPATCH", "RWKV_CLIP_KERNEL_LOCK_TIMEOUT")
+
+
+def check_replaced_env_vars() -> None:
+    """A :class:`DispatchError` naming the replacement if a variable of
+    :data:`REPLACED_ENV_VARS` is set."""
+    for name, instead in REPLACED_ENV_VARS.items():
+        if os.environ.get(name):
+            raise DispatchError(f"{name} is not read; use {instead} instead "
+                                f"(docs/training.md#environment-variables)")
 
 
 def override() -> dict[str, str]:
-    """``$RWKV_CLIP_DISPATCH``, read and checked once per process."""
+    """``$RWKV_CLIP_DISPATCH``, read and checked once per process (with
+    :func:`check_replaced_env_vars`)."""
     global _override
     if _override is None:
-        for name, instead in REPLACED_ENV_VARS.items():
-            if os.environ.get(name):
-                raise DispatchError(f"{name} is not read; set {OVERRIDE_ENV_VAR}={instead} "
-                                    f"instead (docs/wkv.md)")
+        check_replaced_env_vars()
         _override = parse_pins(os.environ.get(OVERRIDE_ENV_VAR, ""), OVERRIDE_ENV_VAR)
     return _override
+
+
+def pinned(name: str) -> str | None:
+    """The name pinned for op or switch ``name`` by the override or :func:`pin` (None:
+    ``auto``)."""
+    return override().get(name) or _pins.get(name)
 
 
 def pin(choices: Mapping[str, str] | str) -> None:
@@ -509,7 +568,8 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None) -> Impl
     return op.implementations[choice.implementation]
 
 
-__all__ = ["CACHE_FILE", "OVERRIDE_ENV_VAR", "REPLACED_ENV_VARS", "TABLE", "Choice", "DispatchError",
-           "Implementation", "Op", "cache_key", "cache_path", "check", "choices", "choose",
-           "counters", "device_name", "get_op", "override", "parse_pins", "pin", "pins",
-           "register_op", "reset", "set_reporter"]
+__all__ = ["CACHE_FILE", "ENV_VARS", "OVERRIDE_ENV_VAR", "REPLACED_ENV_VARS", "SWITCHES", "TABLE",
+           "Choice", "DispatchError", "Implementation", "Op", "Switch", "cache_key",
+           "cache_path", "check", "check_replaced_env_vars", "choices", "choose", "counters",
+           "device_name", "get_op", "override", "parse_pins", "pin", "pinned", "pins",
+           "register_op", "register_switch", "reset", "set_reporter"]

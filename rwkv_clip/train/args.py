@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from ..config import (
     DEFAULT_CONFIG,
     INPUT_SIZE_FLAGS,
+    REBUILD_CHOICES,
     TOWER_KEYS,
     ModelArgs,
     apply_overrides,
@@ -27,6 +28,7 @@ from ..errors import (
     report,
 )
 from ..faults import DEFAULT_DIST_TIMEOUT
+from ..host_memory import add_host_malloc_flag
 from ..lora import add_lora_flags, check_lora_args
 from ..precision import PRECISIONS
 from ..pretrained import published_config
@@ -35,7 +37,7 @@ from .validation import add_validation_flags, resolve_validation
 
 # Config keys that are training options with their own flag (flag name -> config key).
 SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "workers",
-                "open_checkpoint": "with_cp"}
+                "open_checkpoint": "with_cp", "rebuild": "rebuild"}
 # Config keys that are not model settings: not recorded in args.model_config.
 NOT_MODEL_KEYS = ("workers", "data_type")
 
@@ -95,6 +97,11 @@ def build_train_parser() -> argparse.ArgumentParser:
                    help="text tower dropout (default: the config's, else 0.0)")
     g.add_argument("--open-checkpoint", type=str2bool, default=None, metavar="BOOL",
                    help="activation (gradient) checkpointing in both towers, less memory")
+    g.add_argument("--rebuild", choices=REBUILD_CHOICES, default=None,
+                   help="where a residual branch keeps only the projections' and the WKV's "
+                        "results and recomputes the rest in the backward: auto (branches "
+                        "from 2^20 input elements), always, never (docs/training.md). "
+                        "Default: the config's rebuild, else auto")
     _bool_flag(g, "--local-loss", False,
                "each rank scores only its own samples against the gathered features")
     _bool_flag(g, "--gather-with-grad", False,
@@ -191,6 +198,7 @@ def build_train_parser() -> argparse.ArgumentParser:
                    help="cache folder of the built-in dataset (default: the data package's)")
     g.add_argument("--device", default="auto",
                    help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:N")
+    add_host_malloc_flag(g)
     g.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT, metavar="SECONDS",
                    help="how long a collective waits for a stuck rank before the job stops "
                         f"(default {DEFAULT_DIST_TIMEOUT:.0f}); a lost rank is noticed sooner "

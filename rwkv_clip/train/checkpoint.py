@@ -226,7 +226,8 @@ RUN_SETTINGS = ("train_data", "data_format", "train_num_samples", "loader", "bui
                 "lora_base_precision")
 # ... of which these can never change: the data position is counted in their batches.
 FIXED_SETTINGS = ("batch_size", "gradient_acc")
-FREE_MODEL_KEYS = ("with_cp",)  # activation checkpointing changes memory, not results
+# activation checkpointing and the activation-memory policy change memory, not results
+FREE_MODEL_KEYS = ("with_cp", "rebuild")
 
 
 def _flag(key: str) -> str:

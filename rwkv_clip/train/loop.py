@@ -379,11 +379,13 @@ def build_train_model(args, info: DistInfo, log) -> get_model:
     lock_towers(model, args, log)
     add_lora_adapters(model, args, log)
     model.set_grad_checkpointing(bool(args.open_checkpoint))
+    model.set_rebuild(args.rebuild)
     model.to(info.device).train()
     trainable, n_params = parameter_counts(model)
     log.info(f"RWKV-CLIP: {n_params:,} parameters, {trainable:,} trainable "
              f"({100 * trainable / n_params:.2f}%), precision {args.precision}, "
-             f"activation checkpointing {'on' if args.open_checkpoint else 'off'}")
+             f"activation checkpointing {'on' if args.open_checkpoint else 'off'}, "
+             f"rebuild {args.rebuild}")
     seed_everything(args.seed + 1 + info.rank)  # per-rank dropout / drop-path streams
     return model
 
@@ -843,7 +845,8 @@ def cli(argv=None) -> int:
         args = parse_args(argv)
         check_wkv_environment()  # a mistyped kernel name stops here, before any set-up
         # the process is ours: on the CPU it keeps freed memory for the next step's reuse
-        host_memory.configure_host_malloc(pick_device(args.device, launch_environment()[2]))
+        host_memory.configure_host_malloc(pick_device(args.device, launch_environment()[2]),
+                                          args.host_malloc)
         main(args)  # the summary dict is for library callers
         return 0
 
