@@ -9,7 +9,7 @@ model, ISA). A CPU path forces the arithmetic of another CPU on this one (``avx2
 ``avx512``: the instruction-set level; ``mkl``, ``onednn``: the fp32 GEMM; joined by
 ``+``). See rwkv_clip.bench.main_job.
 
-    python scripts/bench_main_job.py --seeds 0,1,2 --paths native,avx2 --threads 1,2 \
+    python scripts/bench_main_job.py --seeds 0,1 --paths native,avx2 --threads 1,2 \
         --out docs/results/main_job_grid.json
     python scripts/bench_main_job.py --seeds 0,1,2 --runs runs --reuse   # runs already there
     python scripts/bench_main_job.py --seeds 0,1 --paths native,avx2,avx2+mkl --threads 1,2

@@ -68,3 +68,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def choose(monkeypatch):
+    """Set a CPU product switch (``linear``, ``lowp_matmul``) through
+    ``$RWKV_CLIP_DISPATCH`` for one test (the override and the CPU rule's answers are
+    cached: cleared around it)."""
+    from rwkv_clip.cpu_gemm import cpu_matmul_choice_reset
+    from rwkv_clip.ops import dispatch
+    chosen: dict[str, str] = {}
+
+    def set_choice(switch: str, choice: str) -> None:
+        chosen[switch] = choice
+        monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR,
+                           ",".join(f"{k}={v}" for k, v in chosen.items()))
+        dispatch.reset()
+        cpu_matmul_choice_reset()
+    yield set_choice
+    monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
+    dispatch.reset()
+    cpu_matmul_choice_reset()

@@ -63,24 +63,18 @@ class _Conversions(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("path", ["native", "fp32"])
-def test_bf16_autocast_forward_converts_each_activation_once(path, monkeypatch):
+def test_bf16_autocast_forward_converts_each_activation_once(path, choose):
     """``native``: bf16 operands straight into the GEMMs; ``fp32``: the same, plus each
     product's rounded operands converted up into the fp32 GEMM and its result rounded back
     (that rounding is the path's arithmetic, so those are the only round trips)."""
-    from rwkv_clip.cpu_gemm import CPU_LOWP_MATMUL_ENV, cpu_matmul_choice_reset
-    monkeypatch.setenv(CPU_LOWP_MATMUL_ENV, path)
-    cpu_matmul_choice_reset()
-    try:
-        model = tiny_model().train()
-        params = {p.data_ptr() for p in model.parameters()}
-        B = 4
-        images = torch.randn(B, 3, 16, 16)
-        tokens = torch.randint(1, 49408, (B, 77))
-        with torch.autocast("cpu", dtype=torch.bfloat16), _Conversions(params) as mode:
-            model(images, tokens)
-    finally:
-        monkeypatch.delenv(CPU_LOWP_MATMUL_ENV)
-        cpu_matmul_choice_reset()
+    choose("lowp_matmul", path)
+    model = tiny_model().train()
+    params = {p.data_ptr() for p in model.parameters()}
+    B = 4
+    images = torch.randn(B, 3, 16, 16)
+    tokens = torch.randint(1, 49408, (B, 77))
+    with torch.autocast("cpu", dtype=torch.bfloat16), _Conversions(params) as mode:
+        model(images, tokens)
     seen = [tuple(s) for s in mode.seen]
     boundary = [s for s in seen if s[4]]
     rest = [s[:4] for s in seen if not s[4]]

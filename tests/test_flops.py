@@ -10,20 +10,14 @@ import torch.nn.functional as F
 from rwkv_clip.bench.flops import count_flops, image_inference_flops, training_flops
 from rwkv_clip.bench.resolution import build_ours
 from rwkv_clip.config import load_model_configs
-from rwkv_clip.cpu_gemm import CPU_LINEAR_ENV, cpu_matmul_choice_reset
 from rwkv_clip.layers.linear import linear
 from rwkv_clip.ops import wkv6_bidirectional
 
 
 @pytest.fixture
-def cpu_linear(monkeypatch):
-    """Pick the fp32 Linear kernel for one test (the choice is cached: cleared around)."""
-    def choose(choice: str) -> None:
-        monkeypatch.setenv(CPU_LINEAR_ENV, choice)
-        cpu_matmul_choice_reset()
-    yield choose
-    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
-    cpu_matmul_choice_reset()
+def cpu_linear(choose):
+    """Pick the fp32 Linear kernel for one test."""
+    return lambda choice: choose("linear", choice)
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "mkl"])

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from rwkv_clip.cpu_gemm import (
     cpu_linear_uses_onednn,
-    cpu_matmul_choice_reset,
     cpu_matmul_in_fp32,
 )
 from rwkv_clip.errors import DispatchError, PrecisionError
@@ -21,23 +20,6 @@ from rwkv_clip.layers.linear import Linear, conv2d, linear, matmul
 from rwkv_clip.ops import dispatch
 
 pytestmark = pytest.mark.cpu_isa
-
-
-@pytest.fixture
-def choose(monkeypatch):
-    """Set a CPU product switch through ``$RWKV_CLIP_DISPATCH`` for one test (the
-    override and the CPU rule's answers are cached: cleared around it)."""
-    chosen: dict[str, str] = {}
-
-    def set_choice(switch: str, choice: str) -> None:
-        chosen[switch] = choice
-        monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, ",".join(f"{k}={v}" for k, v in chosen.items()))
-        dispatch.reset()
-        cpu_matmul_choice_reset()
-    yield set_choice
-    monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
-    dispatch.reset()
-    cpu_matmul_choice_reset()
 
 
 @pytest.fixture

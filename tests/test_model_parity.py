@@ -111,15 +111,9 @@ def test_published_manifests(reference_dir, repo_root, name):
 # torch's bf16 GEMMs (native) and fp32 GEMMs of the rounded operands (rwkv_clip.layers.linear).
 @pytest.mark.parametrize("products", ["native", "fp32"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_golden_bf16_autocast(golden, backend, products, monkeypatch):
-    from rwkv_clip.cpu_gemm import CPU_LOWP_MATMUL_ENV, cpu_matmul_choice_reset
-    monkeypatch.setenv(CPU_LOWP_MATMUL_ENV, products)
-    cpu_matmul_choice_reset()
-    try:
-        _golden_bf16_autocast(golden, backend)
-    finally:
-        monkeypatch.delenv(CPU_LOWP_MATMUL_ENV)
-        cpu_matmul_choice_reset()
+def test_golden_bf16_autocast(golden, backend, products, choose):
+    choose("lowp_matmul", products)
+    _golden_bf16_autocast(golden, backend)
 
 
 def _golden_bf16_autocast(golden, backend):

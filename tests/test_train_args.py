@@ -284,3 +284,14 @@ def test_a_small_set_under_the_default_batch_names_the_default_and_a_batch_that_
     assert err[0].endswith("got 6 in " + str(tmp_path / "data" / "tiny.rec")
                            + "; lower --batch-size to 6 or less"), err
 
+
+
+def test_exclude_decay_defaults_to_the_original_on_your_data(tmp_path):
+    """--exclude-decay: on for the built-in dataset (the main job), off on other data (the
+    original decays every parameter), whatever is typed wins."""
+    from train_util import make_tiny_rec
+    data = make_tiny_rec(tmp_path / "data", n=6)
+    assert parse_args([]).exclude_decay is True
+    assert parse_args(["--exclude-decay", "false"]).exclude_decay is False
+    assert parse_args(["--train-data", str(data)]).exclude_decay is False
+    assert parse_args(["--train-data", str(data), "--exclude-decay"]).exclude_decay is True

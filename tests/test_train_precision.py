@@ -96,6 +96,9 @@ def test_weight_decay_exclusion_groups(tmp_path):
     assert any(".ln" in n for n in names) and any(n.endswith("bias") for n in names)
     assert all(p.ndim >= 2 for p in decay["params"])
     args = parse_args(["--config", TINY_CONFIG, "--output", str(tmp_path)])
+    assert args.exclude_decay is True  # the built-in dataset's default (the main job)
+    args = parse_args(["--config", TINY_CONFIG, "--exclude-decay", "false",
+                       "--output", str(tmp_path)])
     assert len(build_optimizer(model, args).param_groups) == 1  # the original: decay all
 
 

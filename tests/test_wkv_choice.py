@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = dispatch.OVERRIDE_ENV_VAR
 IMPL_ERROR = (f"unknown wkv implementation 'bogus' (from {ENV}); expected one of auto, "
               "cuda-fast, cuda-faithful, chunked, cpu, reference, cuda")
-OP_ERROR = f"{ENV}: unknown op 'gpu'; expected one of wkv"
+OP_ERROR = f"{ENV}: unknown op 'gpu'; expected one of wkv, lowp_matmul, linear"
 
 
 @pytest.fixture(autouse=True)
