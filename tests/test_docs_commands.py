@@ -150,6 +150,9 @@ COMMANDS: dict[str, str] = {
     # three runs of command 1's train.py (tests/test_bench_versus.py reads a run's log)
     "python scripts/bench_main_job.py --seeds 0,1 --paths native,avx2 --threads 1,2 --out "
     "docs/results/main_job_grid.json": "help",
+    # ... and command 1's time beside another checkout's (tests/test_bench_versus.py)
+    "python scripts/bench_main_job.py --seeds 0 --against ../before --repeats 1 --out "
+    "docs/results/main_job_time.json": "help",
     # docs/glue.md: the glue ops' benchmark (its CPU run: tests/test_bench_glue.py)
     "python scripts/bench_glue.py --device cuda --batch 256 --dtype bf16": "help",
     "python scripts/bench_wkv.py --shapes 16,77,10,64": "help",
