@@ -131,7 +131,7 @@ def kernel_events(prof, device_type: str) -> list[tuple[str, float]]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="B32", help="model config (path or shipped name)")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--compile", action="store_true", help="compile_model the model first")
@@ -157,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from rwkv_clip.compiling import compile_model
     from rwkv_clip.config import resolve_config_path
+    from rwkv_clip.distributed import pick_device
     from rwkv_clip.memory import build_measured_model, make_step, synthetic_batch
     if ns.threads:
         torch.set_num_threads(ns.threads)
-    device = torch.device(ns.device)
+    device = pick_device(ns.device)
     cuda = device.type == "cuda"
     args, model = build_measured_model(resolve_config_path(ns.config), device, False, None)
     model.train()

@@ -87,3 +87,25 @@ def test_profiled_cpu_step_json(tmp_path, capsys):
     assert res["launches_per_step_by_kind"]["optimizer"] >= 1
     assert res["launches_per_step"] == sum(res["launches_per_step_by_kind"].values()) > 100
     assert res["steps"] == 1 and res["batch"] == 2 and res["device"] == "cpu"
+
+
+def test_default_device_runs_without_a_gpu_and_cuda_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+    script = str(REPO / "scripts" / "profile_step.py")
+    common = ["--config", TINY_CONFIG, "--batch-size", "2", "--precision", "fp32",
+              "--warmup", "0", "--steps", "1", "--threads", "1"]
+    ok = subprocess.run([sys.executable, script, *common], capture_output=True, text=True,
+                        timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert json.loads(ok.stdout)["device"].startswith(expected)
+    if torch.cuda.is_available():
+        return
+    bad = subprocess.run([sys.executable, script, "--device", "cuda", *common],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].count("CUDA is not available") == 1
+    assert "Traceback" not in bad.stderr
