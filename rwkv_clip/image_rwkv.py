@@ -18,7 +18,6 @@ from .layers import (
     Linear,
     PatchEmbed,
     channel_mix,
-    q_shift_multihead,
     resize_pos_embed,
 )
 from .layers.activation_memory import residual_branch
@@ -31,6 +30,16 @@ from .layers.time_mix import (
     fancy_time_mix_init,
     glue_dtype,
 )
+from .ops.glue import Shift
+
+
+def image_shift(head_size: int, pixels: int, patch_resolution: tuple[int, int] | None,
+                with_cls_token: bool) -> Shift:
+    """The image tower's q-shift on the patch grid (a cls token, if any, last)."""
+    if patch_resolution is None:
+        raise ValueError("q-shift needs the patch grid (patch_resolution=(H, W))")
+    grid = (int(patch_resolution[0]), int(patch_resolution[1]))
+    return Shift("q", head_size, pixels, grid, with_cls_token)
 
 
 class VRWKV_SpatialMix_V6(TimeMixBase):
@@ -74,10 +83,10 @@ class VRWKV_SpatialMix_V6(TimeMixBase):
         bonus = fancy_bonus_init(self.attn_sz, self.layer_id, self.n_layer)
         self.time_faaaa = nn.Parameter(torch.tensor(bonus).view(self.n_head, self.head_size))
 
-    def shift(self, x: torch.Tensor, patch_resolution: tuple[int, int] | None = None,
-              **shift_kwargs: Any) -> torch.Tensor:
-        return q_shift_multihead(x, self.shift_pixel, self.head_size, patch_resolution,
-                                 self.with_cls_token)
+    def token_shift(self, patch_resolution: tuple[int, int] | None = None,
+                    **shift_kwargs: Any) -> Shift:
+        return image_shift(self.head_size, self.shift_pixel, patch_resolution,
+                           self.with_cls_token)
 
     def forward(self, x: torch.Tensor, patch_resolution=None,
                 **shift_kwargs: Any) -> torch.Tensor:
@@ -108,9 +117,8 @@ class VRWKV_ChannelMix_V6(nn.Module):
         self.value = Linear(hidden_sz, n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, patch_resolution=None) -> torch.Tensor:
-        def shift(t: torch.Tensor) -> torch.Tensor:
-            return q_shift_multihead(t, self.shift_pixel, self.head_size, patch_resolution,
-                                     self.with_cls_token)
+        shift = image_shift(self.head_size, self.shift_pixel, patch_resolution,
+                            self.with_cls_token)
         # Note the convention: spatial_mix_* weights x itself (the text tower's time_maa_k
         # weights the shifted neighbour instead): x * m + shifted * (1 - m), both in one lerp.
         # (under autocast the glue dtype: the one key/receptance cast to anyway)

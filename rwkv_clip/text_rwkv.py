@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -13,7 +12,7 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from .config import ModelArgs, complete_args
-from .layers import Linear, bidirectional_shift_multihead, channel_mix
+from .layers import Linear, channel_mix
 from .layers.activation_memory import residual_branch
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
@@ -24,6 +23,7 @@ from .layers.time_mix import (
     fancy_time_mix_init,
     glue_dtype,
 )
+from .ops.glue import Shift
 
 
 class RWKV_Tmix_V6(TimeMixBase):
@@ -57,8 +57,8 @@ class RWKV_Tmix_V6(TimeMixBase):
         bonus = torch.tensor(fancy_bonus_init(args.dim_att, layer_id, args.n_layer))
         self.time_faaaa = nn.Parameter(bonus.to(torch.bfloat16).view(self.n_head, self.head_size))
 
-    def shift(self, x: torch.Tensor, **shift_kwargs: Any) -> torch.Tensor:
-        return bidirectional_shift_multihead(x, 1, self.head_size)
+    def token_shift(self, **shift_kwargs: Any) -> Shift:
+        return Shift("sequence", self.head_size, 1)
 
 
 class RWKV_CMix_V6(nn.Module):
@@ -80,9 +80,8 @@ class RWKV_CMix_V6(nn.Module):
         # Opposite convention to the image tower: time_maa_* weights the neighbour,
         # x + (shift(x) - x) * m, both in one lerp (in the autocast dtype under autocast).
         mix = torch.cat((self.time_maa_k, self.time_maa_r)).unsqueeze(1).to(glue_dtype(x))
-        return channel_mix(x, functools.partial(bidirectional_shift_multihead, shift_pixel=1,
-                                                head_dim=self.args.head_size),
-                           mix, self.key, self.receptance, self.value)
+        return channel_mix(x, Shift("sequence", self.args.head_size, 1), mix, self.key,
+                           self.receptance, self.value)
 
 
 class Block(nn.Module):

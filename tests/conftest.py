@@ -89,3 +89,18 @@ def choose(monkeypatch):
     monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
     dispatch.reset()
     cpu_matmul_choice_reset()
+
+
+# the implementations rwkv_clip.memory's walker counts (its saved tensors): where they run
+WALKED_IMPLEMENTATIONS = {"shift_lerp": "copies", "head_norm_gate": "layer-norm",
+                          "relu_square": "short-backward"}
+
+
+@pytest.fixture
+def walked_implementations():
+    """Prefer the implementations the memory walker models, so a count does not depend
+    on which one the table's timing picked on this machine."""
+    from rwkv_clip.ops import dispatch
+    dispatch.prefer(WALKED_IMPLEMENTATIONS)
+    yield
+    dispatch.prefer({})

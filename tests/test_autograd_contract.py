@@ -13,7 +13,7 @@ import torch
 
 import rwkv_clip
 
-head_norm = importlib.import_module("rwkv_clip.layers.head_norm")
+head_norm = importlib.import_module("rwkv_clip.ops.head_norm")
 lerp = importlib.import_module("rwkv_clip.ops.lerp")
 linear = importlib.import_module("rwkv_clip.layers.linear")
 relu_square = importlib.import_module("rwkv_clip.ops.relu_square")

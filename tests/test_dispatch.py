@@ -38,8 +38,8 @@ def _wrong(x):
     return x * 2.1
 
 
-def _check_inputs(device, dtype):
-    return [torch.linspace(-1, 1, 16, device=device, dtype=dtype)]
+def _check_inputs(device, dtype, attrs, shape):
+    return [torch.linspace(-1, 1, 16, device=device, dtype=dtype)], {}
 
 
 @pytest.fixture

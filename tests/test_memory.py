@@ -27,6 +27,8 @@ from rwkv_clip.memory import (
 from rwkv_clip.memory.cli import run as run_planner
 from rwkv_clip.memory.measure import MeasureSpec
 
+pytestmark = pytest.mark.usefixtures("walked_implementations")
+
 
 @pytest.fixture(scope="module")
 def tiny(repo_root):

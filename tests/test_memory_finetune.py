@@ -21,6 +21,8 @@ from rwkv_clip.memory.cli import run as run_planner
 from rwkv_clip.memory.finetune import FineTune
 from rwkv_clip.memory.measure import apply_finetune
 
+pytestmark = pytest.mark.usefixtures("walked_implementations")
+
 pytest.importorskip("peft")
 
 MODES = [FineTune(lock_image=True), FineTune(lock_text=True), FineTune(lora_rank=4),

@@ -47,9 +47,9 @@ def test_dense_wkv_float32_keeps_weak_decays_after_strong_ones():
 
 
 def test_shift_decompositions_equal_the_operators():
-    from rwkv_clip.layers.shift import _q_shift_grid, _sequence_shift
     from rwkv_clip.onnx_export import _q_shift
     from rwkv_clip.onnx_export import _sequence_shift as sequence_shift_export
+    from rwkv_clip.ops.shift import _q_shift_grid, _sequence_shift
 
     grid, seq = torch.randn(2, 3, 5, 2, 8), torch.randn(2, 7, 3, 8)
     for adjoint in (False, True):

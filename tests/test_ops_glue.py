@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rwkv_clip.layers.shift import bidirectional_shift_multihead, q_shift_multihead
 from rwkv_clip.ops import glue
 from rwkv_clip.ops.glue import (
     Shift,
@@ -34,6 +33,7 @@ from rwkv_clip.ops.glue import (
 )
 from rwkv_clip.ops.lerp import lerp_split
 from rwkv_clip.ops.relu_square import relu_square
+from rwkv_clip.ops.shift import bidirectional_shift_multihead, q_shift_multihead
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -114,7 +114,8 @@ def test_shift_refuses_what_it_cannot_shift():
         shift_reference(torch.zeros(1, 11, 16), Shift("q", 8, 1, (3, 4)))
 
 
-def test_cpu_tensors_take_the_reference():
+def test_cpu_tensors_cannot_take_the_kernels_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.zeros(1, 4, 8)
     assert not glue.uses_triton(x)
     assert torch.equal(glue.relu_square(x - 1), torch.zeros_like(x))
@@ -354,7 +355,7 @@ def test_ops_trace_with_fake_cuda_tensors():
     with FakeTensorMode():
         x = torch.empty(2, 12, 32, device="cuda", dtype=torch.bfloat16)
         w = torch.empty(5, 2, 12, 32, device="cuda", dtype=torch.bfloat16)
-        mixes = glue.shift_lerp(x, w, Shift("q", 16, 1, (3, 4)))
+        mixes = torch.stack(glue.shift_lerp(x, w, Shift("q", 16, 1, (3, 4))))
         assert glue.uses_triton(x) and (mixes.shape, mixes.dtype) == ((5, 2, 12, 32), x.dtype)
         grads = ops.glue_shift_lerp_backward(mixes, x, w, "q", 16, 1, 3, 4, False, False)
         assert [(t.shape, t.dtype) for t in grads] == [(x.shape, x.dtype), (w.shape, w.dtype)]

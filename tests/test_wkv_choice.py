@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = dispatch.OVERRIDE_ENV_VAR
 IMPL_ERROR = (f"unknown wkv implementation 'bogus' (from {ENV}); expected one of auto, "
               "cuda-fast, cuda-faithful, chunked, cpu, reference, cuda")
-OP_ERROR = f"{ENV}: unknown op 'gpu'; expected one of wkv, lowp_matmul, linear"
+OP_ERROR = (f"{ENV}: unknown op 'gpu'; expected one of wkv, shift_lerp, head_norm_gate, relu_square, "
+            "lowp_matmul, linear")
 
 
 @pytest.fixture(autouse=True)
@@ -83,5 +84,13 @@ def test_train_log_names_the_wkv_choice_and_the_run_stores_it(tmp_path):
     assert f"WKV: reference ({ENV})" in log
     assert "wkv: reference (override), float32, T=" in log
     stored = json.loads((tmp_path / "run" / "dispatch.json").read_text())
-    assert {c["implementation"] for c in stored.values()} == {"reference"}
-    assert {c["op"] for c in stored.values()} == {"wkv"}
+    wkv = [c for c in stored.values() if c["op"] == "wkv"]
+    assert wkv and {c["implementation"] for c in wkv} == {"reference"}
+    assert {c["how"] for c in wkv} == {"override"}
+    # the glue ops around it: chosen by the table, each choice stored and logged
+    assert {c["op"] for c in stored.values()} == {"wkv", "shift_lerp", "head_norm_gate",
+                                                  "relu_square"}
+    for c in stored.values():
+        if c["op"] != "wkv":
+            assert c["how"] in ("auto", "cache") and c["implementation"] in c["times_ms"]
+            assert f"{c['op']}: {c['implementation']} (" in log

@@ -56,7 +56,8 @@ def _lerp_case(name: str, shift: glue.Shift, T: int, C: int, mixes: int, full: b
          "shift": shift.kind, "head_dim": shift.head_dim, "shifted_first": shifted_first},
         make,
         lambda x, w: glue.shift_lerp_reference(x, w, shift, shifted_first),
-        lambda x, w: glue.shift_lerp(x, w, shift, shifted_first))
+        lambda x, w: torch.stack(glue.SHIFT_LERP.implementations["triton"].fn(
+            x, w, shift=shift, shifted_first=shifted_first)))
 
 
 def _norm_case(name: str, T: int, C: int, n_head: int, eps: float) -> GlueCase:
@@ -68,14 +69,15 @@ def _norm_case(name: str, T: int, C: int, n_head: int, eps: float) -> GlueCase:
     return GlueCase(
         name, "head_norm_gate", {"y": ["B", T, C], "heads": n_head, "eps": eps}, make,
         lambda y, w, b, gate: glue.head_norm_gate_reference(y, w, b, gate, n_head, eps),
-        lambda y, w, b, gate: glue.head_norm_gate(y, w, b, gate, n_head, eps))
+        lambda y, w, b, gate: glue.HEAD_NORM_GATE.implementations["triton"].fn(
+            y, w, b, gate, n_head=n_head, eps=eps))
 
 
 def _relu_square_case(name: str, T: int, hidden: int) -> GlueCase:
     def make(batch, dtype, device, g):
         return [torch.randn(batch, T, hidden, generator=g).to(device, dtype)]
     return GlueCase(name, "relu_square", {"x": ["B", T, hidden]}, make,
-                    glue.relu_square_reference, glue.relu_square)
+                    glue.relu_square_reference, glue.RELU_SQUARE.implementations["triton"].fn)
 
 
 def cases(config: str) -> list[GlueCase]:

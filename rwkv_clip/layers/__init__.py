@@ -1,13 +1,10 @@
 """Building blocks shared by the two towers, one concept per file."""
 from .channel_mix import channel_mix
 from .drop_path import DropPath, drop_path
-from .head_norm import head_group_norm
 from .linear import Linear, conv2d, matmul
 from .patch_embed import PatchEmbed
 from .pos_embed import resize_pos_embed
-from .shift import bidirectional_shift_multihead, q_shift_multihead
 from .time_mix import TimeMixBase
 
-__all__ = ["channel_mix", "DropPath", "drop_path", "head_group_norm",
-           "Linear", "conv2d", "matmul", "PatchEmbed", "resize_pos_embed",
-           "bidirectional_shift_multihead", "q_shift_multihead", "TimeMixBase"]
+__all__ = ["channel_mix", "DropPath", "drop_path", "Linear", "conv2d", "matmul", "PatchEmbed",
+           "resize_pos_embed", "TimeMixBase"]

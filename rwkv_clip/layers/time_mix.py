@@ -1,20 +1,19 @@
 """The RWKV-6 time mix shared by both towers: data-dependent lerp, decay, WKV, gate.
 
 Each tower subclasses :class:`TimeMixBase`, creating the parameters in its own order
-(state-dict names and the order of random draws follow the original) and supplying its
-own token shift; the arithmetic below is common to both.
+(state-dict names and the order of random draws follow the original) and naming its own
+token shift; the arithmetic below is common to both. The shift with its lerps, the head
+norm with the gate and the WKV are ops of the dispatch table (:mod:`rwkv_clip.ops`).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..ops import wkv6_bidirectional
-from ..ops.lerp import lerp, lerp_split
-from .head_norm import head_group_norm
+from ..ops.glue import Shift, head_norm_gate, shift_lerp
 from .linear import Linear, matmul
 
 TIME_MIX_EXTRA_DIM = 32    # rank of the LoRA that makes the five lerp weights data-dependent
@@ -93,7 +92,8 @@ class TimeMixBase(nn.Module):
     output: Linear
     ln_x: nn.GroupNorm
 
-    def shift(self, x: torch.Tensor, **shift_kwargs) -> torch.Tensor:
+    def token_shift(self, **shift_kwargs: Any) -> Shift:
+        """The tower's token shift (:class:`rwkv_clip.ops.glue.Shift`)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, **shift_kwargs: Any) -> torch.Tensor:
@@ -106,17 +106,17 @@ class TimeMixBase(nn.Module):
         """
         B, T, C = x.shape
         x = x.to(glue_dtype(x))
-        shifted = self.shift(x, **shift_kwargs)
+        shift = self.token_shift(**shift_kwargs)
         # data-dependent lerp weights: a rank-32 tanh LoRA per mix, added to time_maa_*
-        mix_input = lerp(x, shifted, self.time_maa_x.to(x.dtype))
+        (mix_input,) = shift_lerp(x, self.time_maa_x.to(x.dtype).unsqueeze(0), shift)
         lora = torch.tanh(matmul(mix_input, self.time_maa_w1)).view(B * T, 5, -1).transpose(0, 1)
         maa = torch.cat((self.time_maa_w, self.time_maa_k, self.time_maa_v, self.time_maa_r,
                          self.time_maa_g)).to(x.dtype)  # (5, 1, C)
         weights = matmul(lora, self.time_maa_w2, add=maa).view(5, B, T, C)
-        xw, xk, xv, xr, xg = lerp_split(x, shifted, weights)
+        xw, xk, xv, xr, xg = shift_lerp(x, weights, shift)
         del mix_input, lora, weights  # (5, B, T, C) and more: freed before the WKV's peak
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
-        g = F.silu(self.gate(xg))
+        gate = self.gate(xg)
         # data-dependent decay: time_decay plus a rank-64 tanh LoRA
         w = self.time_decay + matmul(torch.tanh(matmul(xw, self.time_decay_w1)),
                                      self.time_decay_w2)
@@ -124,5 +124,6 @@ class TimeMixBase(nn.Module):
         key_norm: nn.Module | None = getattr(self, "key_norm", None)
         if key_norm is not None:
             y = key_norm(y)
-        y = head_group_norm(y.view(B * T, C), self.ln_x).view(B, T, C)
-        return self.output(y.to(g.dtype) * g)  # under autocast: the dtype output casts to
+        # ln_x (one group per head) times silu(gate), in gate's dtype (what output casts to)
+        return self.output(head_norm_gate(y, self.ln_x.weight, self.ln_x.bias, gate,
+                                          self.ln_x.num_groups, self.ln_x.eps))

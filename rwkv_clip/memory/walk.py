@@ -318,13 +318,15 @@ def _time_mix(w: Walker, a: Sym, C: int, A: int, H: int, decay_dtype: str,
     na = n // C * A
     P = lambda numel, dt="fp32", matrix=False: w.param(numel, dt, matrix)
     x = w.glue(a)                                        # the glue's dtype (autocast's)
-    sh = w.new(n, x.dtype, x.rg)                         # token shift: one copy
+    # shift_lerp's copies implementation: each call shifts x into a copy of its own
+    sh = w.new(n, x.dtype, x.rg)
     mix_input = w.lerp(x, sh, w.glue(P(C)))              # lerp(x, shift(x), time_maa_x)
     m1 = w.matmul(mix_input, P(C * 5 * TIME_MIX_EXTRA_DIM), C, 5 * TIME_MIX_EXTRA_DIM)
     t1 = w.unary_saves_result(m1)                        # tanh
     # the lerp weights: one baddbmm, maa (cat of time_maa_w/k/v/r/g) + t1 @ W2, (5,B,T,C)
     mm = w.matmul(t1, P(5 * TIME_MIX_EXTRA_DIM * C), TIME_MIX_EXTRA_DIM, C)
     weight = w.add(mm, w.glue(P(5 * C)))
+    sh = w.new(n, x.dtype, x.rg)
     mixed = w.lerp(x, sh, weight, stacked=5)             # one (5, B, T, C) lerp
     xw, xk, xv, xr, xg = mixed.split(5)                  # unbind: views of one storage
     r = w.matmul(xr, P(C * A, matrix=True), C, A, lora="att.receptance", kept=True)

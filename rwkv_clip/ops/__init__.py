@@ -26,7 +26,7 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CHECK_SIZES = dict(B=1, T=20, H=2, N=16)  # two chunks of the chunked kernel, N % 16 == 0
 
 
-def _wkv_check_inputs(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+def _wkv_check_inputs(device: torch.device, dtype: torch.dtype, attrs, shape) -> tuple[list, dict]:
     """Small WKV inputs in the ranges the model feeds (decay logits around -1.5)."""
     B, T, H, N = _CHECK_SIZES.values()
     g = torch.Generator().manual_seed(0)
@@ -35,7 +35,7 @@ def _wkv_check_inputs(device: torch.device, dtype: torch.dtype) -> list[torch.Te
     k = torch.randn(shape, generator=g) * 0.5
     w = torch.randn(shape, generator=g) * 0.7 - 1.5
     u = torch.randn(H, N, generator=g) * 0.5
-    return [x.to(device=device, dtype=dtype) for x in (r, k, v, w, u)]
+    return [x.to(device=device, dtype=dtype) for x in (r, k, v, w, u)], {}
 
 
 def _wkv_shape_class(r, k, v, w, u) -> dict[str, int]:
@@ -230,8 +230,10 @@ def wkv6_bidirectional(r, k, v, w, u, backend: str | None = None) -> torch.Tenso
     return impl.fn(r, k, v, w, u)
 
 
-# the dispatch switches linear and lowp_matmul, pinnable as soon as the table is
+# the rest of the table, pinnable as soon as it is: the glue ops, the switches linear and
+# lowp_matmul
 from .. import cpu_gemm  # noqa: E402,F401
+from . import glue  # noqa: E402,F401
 
 __all__ = ["WKV", "WKVError", "check_inputs", "check_wkv_environment", "describe_wkv",
            "dispatch", "prepare_wkv_kernel", "wkv6_bidirectional",

@@ -4,7 +4,10 @@ checked against, and the one function that chooses among them (:func:`choose`).
 An :class:`Op` states its reference, how to make small check inputs, the tolerance per
 dtype and its shape class (what a choice depends on besides device and dtype). An
 :class:`Implementation` is a callable with the op's signature and a ``supports(device,
-dtype, shape)`` that returns None or the reason it cannot run.
+dtype, shape)`` that returns None or the reason it cannot run. A call passes tensors
+(``args``, the first one's device and dtype count) and static attributes (``attrs``: a
+head count, a shift's geometry), which every implementation and the reference take as
+keywords.
 
 For one (op, device, dtype, shape class) the choice is, first that applies:
 
@@ -52,7 +55,8 @@ TIMED_ITERATIONS = 3
 # not run again: its one run is its time (the reference can be very slow at full size)
 GIVE_UP_FACTOR = 20.0
 
-ShapeClass = Mapping[str, int]
+ShapeClass = Mapping[str, "int | str"]
+Attrs = Mapping[str, Any]
 Supports = Callable[[torch.device, torch.dtype, ShapeClass], "str | None"]
 
 
@@ -64,7 +68,7 @@ class Implementation:
     inputs (else on the call's dtype)."""
 
     name: str
-    fn: Callable[..., Tensor]
+    fn: Callable[..., Any]  # a tensor or a tuple of tensors
     supports: Supports
     device_types: tuple[str, ...]
     takes_float64: bool = True
@@ -74,15 +78,28 @@ class Implementation:
 class Op:
     """An op of the table. ``tolerance``: per check dtype, the largest error allowed
     relative to the largest magnitude of the reference's result (forward and each
-    gradient). ``aliases``: other names accepted for a pin, per device type."""
+    gradient). ``aliases``: other names accepted for a pin, per device type.
+    ``check_inputs(device, dtype, attrs, shape)``: small tensors and the attributes to
+    check with, of the same kind as the call (its ``attrs`` and shape class); the check is
+    kept per the check's attributes and shapes. The tolerance is the looser of the check
+    dtype's and the result dtype's;
+    ``shape_class(*args, **attrs)``: what the choice depends on besides device and dtype.
+    ``on_export``: the implementation traced by ``torch.export`` and TorchScript (None:
+    as under ``torch.compile``). ``reference_competes``: the reference is timed with the
+    others (plain torch ops that may well win) rather than only stand in when nothing else
+    survives (a slow oracle, as the WKV's scan). An op returns a tensor or a tuple of
+    tensors."""
 
     name: str
-    reference: Callable[..., Tensor]
-    check_inputs: Callable[[torch.device, torch.dtype], Sequence[Tensor]]
+    reference: Callable[..., Any]
+    check_inputs: Callable[[torch.device, torch.dtype, Attrs, ShapeClass],
+                           tuple[Sequence[Tensor], Attrs]]
     tolerance: Mapping[torch.dtype, float]
-    shape_class: Callable[..., dict[str, int]]
+    shape_class: Callable[..., dict[str, Any]]
     error: type[RWKVCLIPError] = ConfigError
     aliases: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    on_export: str | None = None
+    reference_competes: bool = False
     implementations: dict[str, Implementation] = field(default_factory=dict)
 
     def register(self, impl: Implementation) -> Implementation:
@@ -162,10 +179,11 @@ class Switch:
 TABLE: dict[str, Op] = {}
 SWITCHES: dict[str, Switch] = {}
 _pins: dict[str, str] = {}
+_preferred: dict[str, str] = {}              # prefer(): used where it runs, else auto
 _override: dict[str, str] | None = None      # $RWKV_CLIP_DISPATCH, parsed once
 _memo: dict[str, Choice] = {}                # one per (op, device, dtype, shape class)
 _by_device_type: dict[str, str] = {}         # "op:cpu" -> the last choice there (tracing)
-_checked: dict[tuple[str, str, str, str], str | None] = {}
+_checked: dict[tuple[str, str, str, str, str], str | None] = {}
 _reported: set[str] = set()
 counters = {"checked": 0, "timed": 0}
 
@@ -284,6 +302,17 @@ def pin(choices: Mapping[str, str] | str) -> None:
     _memo.clear()
 
 
+def prefer(choices: Mapping[str, str]) -> None:
+    """Use these implementations (op -> name) for every later call they support, and let
+    the table choose for the others (a pin that cannot run is an error instead): what a
+    memory model or a comparison that assumes given implementations runs under. ``{}``
+    clears; :func:`reset` keeps them."""
+    parsed = parse_pins(",".join(f"{k}={v}" for k, v in choices.items()), "prefer")
+    _preferred.clear()
+    _preferred.update(parsed)
+    _memo.clear()
+
+
 def pins() -> dict[str, str]:
     """The pins set by :func:`pin` (op -> implementation)."""
     return dict(_pins)
@@ -331,8 +360,13 @@ def shape_text(shape: ShapeClass) -> str:
 
 
 def cache_key(op: str, device: str, dtype: torch.dtype, shape: ShapeClass) -> str:
-    """The on-disk key: device name (:func:`device_name`), torch version, op, dtype,
-    shape class."""
+    """The on-disk key: device name (:func:`device_name`), torch version, op with its
+    candidates (a new implementation is measured, not passed over), dtype, shape class."""
+    entry = TABLE.get(op)
+    if entry is not None:
+        timed = [*entry.implementations] if entry.reference_competes else \
+            [n for n, i in entry.implementations.items() if i.fn is not entry.reference]
+        op = f"{op} [{','.join(timed)}]"
     return " | ".join((device, f"torch {torch.__version__}", op, _dtype_name(dtype),
                        shape_text(shape)))
 
@@ -374,33 +408,59 @@ def _relative_error(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
 
 
-def _outputs_and_grads(fn: Callable[..., Tensor], xs: Sequence[Tensor], gy: Tensor):
+def _stacked(y: Tensor | Sequence[Tensor]) -> Tensor:
+    """An op's result as one tensor (a tuple of results stacked)."""
+    return y if isinstance(y, Tensor) else torch.stack(list(y))
+
+
+def _backward(y: Tensor | Sequence[Tensor], leaves: Sequence[Tensor], gy: Tensor | None):
+    """The gradients of ``leaves`` for the upstream gradient ``gy`` (ones when None) of a
+    result (a tuple's slice by slice)."""
+    outs = [y] if isinstance(y, Tensor) else list(y)
+    if gy is None:
+        grads_out = [torch.ones_like(o) for o in outs]
+    else:
+        grads_out = [gy.to(outs[0].dtype)] if isinstance(y, Tensor) else \
+            [g.to(o.dtype) for g, o in zip(gy.unbind(0), outs, strict=True)]
+    return torch.autograd.grad(outs, leaves, grads_out, allow_unused=True)
+
+
+def _outputs_and_grads(fn: Callable[..., Any], xs: Sequence[Tensor], attrs: Attrs,
+                       gy: Tensor):
     leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
-    y = fn(*leaves)
+    y = fn(*leaves, **attrs)
     wants = [x for x in leaves if x.requires_grad]
-    grads = torch.autograd.grad(y, wants, gy.to(y.dtype), allow_unused=True)
-    return y, [torch.zeros_like(x) if g is None else g for x, g in zip(wants, grads, strict=True)]
+    grads = _backward(y, wants, gy)
+    return _stacked(y), [torch.zeros_like(x) if g is None else g
+                         for x, g in zip(wants, grads, strict=True)]
 
 
-def check(op: Op, impl: Implementation, device: torch.device, dtype: torch.dtype) -> str | None:
+def check(op: Op, impl: Implementation, device: torch.device, dtype: torch.dtype,
+          attrs: Attrs | None = None, shape: ShapeClass | None = None) -> str | None:
     """None if ``impl`` matches ``op``'s reference at the small check shape (forward and
-    gradients, within ``op.tolerance``), else why not. Once per process."""
+    gradients, within ``op.tolerance``), else why not. Once per process and kind of call
+    (the check's attributes, from the call's ``attrs``)."""
     check_dtype = torch.float64 if impl.takes_float64 else dtype
-    key = (op.name, impl.name, str(device), str(check_dtype))
+    try:
+        xs, check_attrs = op.check_inputs(device, check_dtype, dict(attrs or {}),
+                                          dict(shape or {}))
+    except Exception as exc:
+        return f"no check inputs: {type(exc).__name__}: {exc}"
+    key = (op.name, impl.name, str(device), str(check_dtype),
+           repr((sorted(check_attrs.items()), [(tuple(x.shape), x.dtype) for x in xs])))
     if key in _checked:
         return _checked[key]
     counters["checked"] += 1
-    tolerance = op.tolerance[check_dtype]
     problem: str | None = None
     try:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-            xs = list(op.check_inputs(device, check_dtype))
-            exact = [x.double() for x in xs]
+            exact = [x.double() if x.is_floating_point() else x for x in xs]
             gen = torch.Generator(device="cpu").manual_seed(1)
-            y_ref0 = op.reference(*exact)
+            y_ref0 = _stacked(op.reference(*exact, **check_attrs))
             gy = torch.randn(y_ref0.shape, generator=gen, dtype=torch.float64).to(device)
-            y_ref, g_ref = _outputs_and_grads(op.reference, exact, gy)
-            y, g = _outputs_and_grads(impl.fn, xs, gy)
+            y_ref, g_ref = _outputs_and_grads(op.reference, exact, check_attrs, gy)
+            y, g = _outputs_and_grads(impl.fn, xs, check_attrs, gy)
+        tolerance = max(op.tolerance[check_dtype], op.tolerance.get(y.dtype, 0.0))
         if tuple(y.shape) != tuple(y_ref.shape):
             problem = f"output shape {tuple(y.shape)}, expected {tuple(y_ref.shape)}"
         else:
@@ -417,23 +477,24 @@ def check(op: Op, impl: Implementation, device: torch.device, dtype: torch.dtype
     return problem
 
 
-def _time(impl: Implementation, args: Sequence[Any], needs_grad: bool, budget_ms: float) -> float:
+def _time(impl: Implementation, args: Sequence[Any], attrs: Attrs, needs_grad: bool,
+          budget_ms: float) -> float:
     """Median milliseconds of ``impl`` on copies of ``args`` (forward and backward when
-    gradients are needed)."""
+    gradients are needed; copies, so an implementation that writes into its input, as
+    one may without grad, leaves the caller's tensors alone)."""
     counters["timed"] += 1
     device = next(a.device for a in args if isinstance(a, Tensor))
-    xs = [a.detach().requires_grad_(needs_grad and a.requires_grad) if isinstance(a, Tensor)
-          else a for a in args]
+    xs = [a.detach().clone().requires_grad_(needs_grad and a.requires_grad)
+          if isinstance(a, Tensor) else a for a in args]
 
     def once() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         with torch.set_grad_enabled(needs_grad):
-            y = impl.fn(*xs)
+            y = impl.fn(*xs, **attrs)
             if needs_grad:
-                leaves = [x for x in xs if isinstance(x, Tensor) and x.requires_grad]
-                torch.autograd.grad(y, leaves, torch.ones_like(y), allow_unused=True)
+                _backward(y, [x for x in xs if isinstance(x, Tensor) and x.requires_grad], None)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return (time.perf_counter() - t0) * 1e3
@@ -449,19 +510,19 @@ def _same(x: Tensor) -> Tensor:
     return x
 
 
-def _auto(op: Op, args: Sequence[Any], device: torch.device, dtype: torch.dtype,
+def _auto(op: Op, args: Sequence[Any], attrs: Attrs, device: torch.device, dtype: torch.dtype,
           shape: ShapeClass) -> dict[str, float]:
     survivors = []
     for impl in op.implementations.values():
         if impl.supports(device, dtype, shape) is not None:
             continue
-        problem = check(op, impl, device, dtype)
+        problem = check(op, impl, device, dtype, attrs, shape)
         if problem is None:
             survivors.append(impl)
         elif f"{op.name} {impl.name} {problem}" not in _reported:
             _reported.add(f"{op.name} {impl.name} {problem}")
             _warn(f"dispatch: {op.name}: dropped {impl.name}: {problem}")
-    if any(impl.fn is not op.reference for impl in survivors):
+    if not op.reference_competes and any(impl.fn is not op.reference for impl in survivors):
         # the reference is the oracle, not a contender: timing it at the real shape (a
         # long image sequence) costs seconds and memory for a result known in advance
         survivors = [impl for impl in survivors if impl.fn is not op.reference]
@@ -471,7 +532,7 @@ def _auto(op: Op, args: Sequence[Any], device: torch.device, dtype: torch.dtype,
     for impl in survivors:
         best = min(times.values(), default=float("inf"))
         try:
-            times[impl.name] = _time(impl, args, needs_grad, best * GIVE_UP_FACTOR)
+            times[impl.name] = _time(impl, args, attrs, needs_grad, best * GIVE_UP_FACTOR)
         except Exception as exc:  # runs at the small shape, fails at the real one
             _warn(f"dispatch: {op.name}: dropped {impl.name}: raised {type(exc).__name__} at "
                   f"{shape_text(shape)}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -498,15 +559,22 @@ def _abstract(args: Sequence[Any]) -> bool:
                for a in args)
 
 
+def _exporting() -> bool:
+    return torch.jit.is_tracing() or torch.compiler.is_exporting()
+
+
 def _traced(op: Op, device: torch.device, pinned: str | None) -> Implementation:
     """Under ``torch.compile`` tracing, and on meta or fake tensors, nothing is checked
     or timed: a pin, else the last choice made on this device type in eager, else the
     first implementation registered for it that is not the reference (for a device no
     implementation names, such as meta, the first registered that is not the reference:
-    its fake implementation gives the shapes)."""
+    its fake implementation gives the shapes). Under ``torch.export`` and TorchScript
+    tracing, the op's ``on_export`` where it names one."""
     name = pinned or override().get(op.name) or _pins.get(op.name)
     if name:
         return op.implementations[op.resolve(name, device.type)]
+    if op.on_export is not None and _exporting():
+        return op.implementations[op.on_export]
     last = _by_device_type.get(f"{op.name}:{device.type}")
     if last is not None:
         return op.implementations[last]
@@ -517,17 +585,19 @@ def _traced(op: Op, device: torch.device, pinned: str | None) -> Implementation:
     return (others or list(op.implementations.values()))[0]
 
 
-def choose(op_name: str, args: Sequence[Any], pinned: str | None = None) -> Implementation:
-    """The implementation of ``op_name`` for a call with ``args`` (the device and dtype
-    of ``args[0]``, a tensor; the op's shape class); ``pinned``: a name (or alias) to use,
-    ``"auto"`` or None to let the table choose."""
+def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
+           attrs: Attrs | None = None) -> Implementation:
+    """The implementation of ``op_name`` for a call with tensors ``args`` (the device and
+    dtype of ``args[0]``; the op's shape class) and static attributes ``attrs``;
+    ``pinned``: a name (or alias) to use, ``"auto"`` or None to let the table choose."""
     op = TABLE[op_name]
+    attrs = attrs or {}
     device, dtype = args[0].device, args[0].dtype
     if pinned == AUTO:
         pinned = None
-    if torch.compiler.is_compiling() or _abstract(args):
+    if torch.compiler.is_compiling() or _abstract(args) or _exporting():
         return _traced(op, device, pinned)
-    shape = op.shape_class(*args)
+    shape = op.shape_class(*args, **attrs)
     memo_key = f"{op.name}|{device}|{dtype}|{shape_text(shape)}"
     sources = (("argument", pinned), (OVERRIDE_ENV_VAR, override().get(op.name)),
                ("pin", _pins.get(op.name)))
@@ -546,6 +616,13 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None) -> Impl
     known = _memo.get(memo_key)
     if known is not None and known.how not in ("pinned", "override"):
         return op.implementations[known.implementation]
+    preferred = _preferred.get(op.name)
+    if preferred is not None:
+        impl = op.implementations[op.resolve(preferred, device.type, "prefer")]
+        if impl.supports(device, dtype, shape) is None:
+            _remember(Choice(op.name, impl.name, str(device), _dtype_name(dtype),
+                             shape_text(shape), "preferred"), memo_key, device.type)
+            return impl
     disk_key = cache_key(op.name, device_name(device), dtype, shape)
     record = _read_cache().get(disk_key)
     if (isinstance(record, dict) and record.get("implementation") in op.implementations
@@ -559,7 +636,7 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None) -> Impl
         # modes are set aside (a caching one, as in selective activation checkpointing,
         # would replay their outputs in the recompute; a counting one would count them)
         with torch.autograd.graph.saved_tensors_hooks(_same, _same), _disable_current_modes():
-            times = _auto(op, args, device, dtype, shape)
+            times = _auto(op, args, attrs, device, dtype, shape)
         winner = min(times, key=times.__getitem__)
         choice = Choice(op.name, winner, str(device), _dtype_name(dtype), shape_text(shape), "auto",
                         times)
@@ -571,5 +648,5 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None) -> Impl
 __all__ = ["CACHE_FILE", "ENV_VARS", "OVERRIDE_ENV_VAR", "REPLACED_ENV_VARS", "SWITCHES", "TABLE",
            "Choice", "DispatchError", "Implementation", "Op", "Switch", "cache_key",
            "cache_path", "check", "check_replaced_env_vars", "choices", "choose", "counters",
-           "device_name", "get_op", "override", "parse_pins", "pin", "pinned", "pins",
+           "device_name", "get_op", "override", "parse_pins", "pin", "pinned", "pins", "prefer",
            "register_op", "register_switch", "reset", "set_reporter"]

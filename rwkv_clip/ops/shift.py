@@ -1,4 +1,5 @@
-"""Token shifts: the only way RWKV mixes neighbouring tokens outside the WKV scan.
+"""Token shifts: the only way RWKV mixes neighbouring tokens outside the WKV scan, as
+copies (the ``copies`` implementation of the table's ``shift_lerp`` op, :mod:`.glue`).
 
 Both shifts work per head: channels of each head are split into groups and each group is
 taken from a different neighbour, with zeros where the neighbour does not exist. Backward
@@ -6,9 +7,12 @@ is the opposite shift (:func:`_register`).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .glue.reference import Shift
 
 
 def _q_shift_grid(grid: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
@@ -124,3 +128,10 @@ def bidirectional_shift_multihead(x: torch.Tensor, shift_pixel: int = 1,
                          "head_dim % 4 == 0)")
     seq = x.reshape(B, N, C // head_dim, head_dim)
     return _sequence_shift_op(seq, shift_pixel, False).view(B, N, C)
+
+
+def shift_tokens(x: torch.Tensor, shift: Shift) -> torch.Tensor:
+    """x (B, T, C) shifted by ``shift`` (:class:`rwkv_clip.ops.glue.Shift`)."""
+    if shift.kind == "q":
+        return q_shift_multihead(x, shift.pixels, shift.head_dim, shift.grid, shift.cls)
+    return bidirectional_shift_multihead(x, shift.pixels, shift.head_dim)

@@ -1,15 +1,17 @@
-"""The time mix's ``ln_x``: a GroupNorm with one group per head, computed on the CPU as a
-layer norm over each head's channels followed by the per-channel affine.
+"""The time mix's ``ln_x`` (a GroupNorm with one group per head) and its gate on the CPU:
+a layer norm over each head's channels, then the per-channel affine, then
+``* silu(gate)``. An implementation of the table's ``head_norm_gate`` op
+(:mod:`rwkv_clip.ops.glue`); its reference is ``F.group_norm``.
 
-The CPU backward is faster than GroupNorm's at the same memory; the parameters stay
-``ln_x.weight`` / ``ln_x.bias`` of the ``nn.GroupNorm`` (:func:`head_group_norm`).
+The same values up to float rounding as GroupNorm, the same saved tensors (the input and
+the per-(row, head) mean and 1/std), and a faster backward on the CPU.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from torch import nn
+import torch.nn.functional as F
 
 
 def _normalised(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -43,28 +45,27 @@ class _HeadNorm(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
-def head_group_norm(y: torch.Tensor, norm: nn.GroupNorm) -> torch.Tensor:
-    """``norm(y)`` for y (rows, C) and ``norm`` a GroupNorm over C channels in heads.
-
-    Normalising in H groups of N = C / H channels is normalising each (row, head) slice of
-    the (rows, H, N) view, so on the CPU this is a layer norm plus the per-channel affine:
-    same values up to float rounding, a faster backward than torch's GroupNorm, and the
-    same saved tensors (the input and the per-(row, head) mean and 1/std). Without grad
-    the two ops alone, which also beat GroupNorm's forward on the CPU
-    (docs/differences.md). GPUs, low-precision inputs, TorchScript
-    traces and ``torch.compile`` keep ``nn.GroupNorm`` (inductor fuses it on its own)."""
-    if (y.device.type != "cpu" or y.dtype not in (torch.float32, torch.float64) or y.dim() != 2
-            or not norm.affine or norm.weight.dtype != y.dtype
-            or torch.jit.is_tracing() or torch.compiler.is_compiling()):
-        return norm(y)
+def head_group_norm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_head: int,
+                    eps: float) -> torch.Tensor:
+    """``F.group_norm(y, n_head, weight, bias, eps)`` for y (rows, C) in float32 or
+    float64 with parameters of its dtype: each (row, head) slice of the (rows, H, N) view
+    normalised, then the affine (outside autocast; without grad the two ops alone)."""
     rows, C = y.shape
-    H = norm.num_groups
-    shape = (H, C // H)
-    args = (y.view(rows, *shape), norm.weight.view(shape), norm.bias.view(shape), norm.eps)
+    shape = (n_head, C // n_head)
+    args = (y.reshape(rows, *shape), weight.view(shape), bias.view(shape), eps)
     with torch.autocast("cpu", enabled=False):
         if not torch.is_grad_enabled():
             return _normalised(*args)[0].view(rows, C)
         return _HeadNorm.apply(*args).view(rows, C)
 
 
-__all__ = ["head_group_norm"]
+def head_norm_gate_layer_norm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                              gate: torch.Tensor, n_head: int, eps: float) -> torch.Tensor:
+    """``group_norm(y, n_head, weight, bias, eps).to(gate.dtype) * silu(gate)`` for the
+    WKV output y (B, T, C), through :func:`head_group_norm`."""
+    B, T, C = y.shape
+    normed = head_group_norm(y.reshape(B * T, C), weight, bias, n_head, eps).view(B, T, C)
+    return normed.to(gate.dtype) * F.silu(gate)
+
+
+__all__ = ["head_group_norm", "head_norm_gate_layer_norm"]

@@ -1,8 +1,16 @@
-"""head_group_norm: the time mix's GroupNorm as a per-head layer norm on the CPU."""
+"""head_group_norm: the time mix's GroupNorm as a per-head layer norm on the CPU (the
+``layer-norm`` implementation of the table's ``head_norm_gate`` op)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
-from rwkv_clip.layers import head_group_norm
+from rwkv_clip.ops import dispatch
+from rwkv_clip.ops.glue import HEAD_NORM_GATE, head_norm_gate, head_norm_gate_reference
+from rwkv_clip.ops.head_norm import head_group_norm as _head_group_norm
+
+
+def head_group_norm(x, norm):
+    return _head_group_norm(x, norm.weight, norm.bias, norm.num_groups, norm.eps)
 
 
 def _norm(heads: int, channels: int, dtype=torch.float32, seed: int = 0) -> torch.nn.GroupNorm:
@@ -78,22 +86,30 @@ def test_fp32_input_under_cpu_autocast_is_normalised_in_fp32():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_other_cases_are_group_norm_itself():
-    """bf16 input and TorchScript tracing run nn.GroupNorm unchanged."""
+def test_the_table_runs_it_only_where_it_is_group_norm():
+    """float32 / float64 on the CPU with parameters of the input's dtype; bf16 inputs or
+    parameters, and TorchScript traces, take the reference (F.group_norm)."""
+    impl = HEAD_NORM_GATE.implementations["layer-norm"]
+    cpu = torch.device("cpu")
+    assert impl.supports(cpu, torch.float32, {"params": "float32"}) is None
+    assert impl.supports(cpu, torch.float64, {"params": "float64"}) is None
+    assert "float32 / float64" in impl.supports(cpu, torch.bfloat16, {"params": "bfloat16"})
+    assert "float32 / float64" in impl.supports(cpu, torch.float32, {"params": "bfloat16"})
     norm = _norm(8, 64)
-    x = torch.randn(10, 64)
-    assert torch.equal(head_group_norm(x.bfloat16(), norm.bfloat16()),
-                       norm(x.bfloat16()))
-    norm = _norm(8, 64)
+    y, gate = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
 
     class Wrapped(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.norm = norm
 
-        def forward(self, t):
-            return head_group_norm(t, self.norm)
-    traced = torch.jit.trace(Wrapped(), (x,))
+        def forward(self, t, g):
+            return head_norm_gate(t, self.norm.weight, self.norm.bias, g, 8, self.norm.eps)
+    dispatch.reset()
+    traced = torch.jit.trace(Wrapped(), (y, gate))
     graph = traced.inlined_graph.str()
     assert "group_norm" in graph and "layer_norm" not in graph
-    assert torch.equal(traced(x), norm(x))
+    expected = head_norm_gate_reference(y, norm.weight, norm.bias, gate, 8, norm.eps)
+    assert torch.equal(traced(y, gate), expected)
+    assert torch.equal(expected, F.group_norm(y.view(10, 64), 8, norm.weight, norm.bias,
+                                              norm.eps).view(2, 5, 64) * F.silu(gate))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rwkv_clip.layers import bidirectional_shift_multihead, q_shift_multihead
+from rwkv_clip.ops.shift import bidirectional_shift_multihead, q_shift_multihead
 
 
 def _q_shift_by_definition(x, s, head_dim, H, W, cls):
