@@ -143,6 +143,9 @@ class ModelArgs:
     # where a residual branch keeps only the activation-memory policy's tensors
     # (rwkv_clip.layers.activation_memory.rebuilds)
     rebuild: str = _key("str", "auto", choices=REBUILD_CHOICES)
+    # the dispatch table's choices for the run: "" (auto), "op=name[,op=name]" pins, or a
+    # run's dispatch.json to repeat (rwkv_clip.ops.dispatch.apply_setting)
+    dispatch: str = _key("str", "")
     workers: int = _key("int", 10, low=0)
     data_type: str = _key("str", "utf-8", choices=DATA_TYPES)
 
@@ -190,7 +193,7 @@ class ModelArgs:
 KEYS = tuple(f.name for f in fields(ModelArgs))
 # Keys that say how a run computes rather than what the model is (a checkpoint's are the
 # run's; evaluation and export choose their own).
-RUN_KEYS = ("precision", "with_cp", "rebuild", "workers", "data_type")
+RUN_KEYS = ("precision", "with_cp", "rebuild", "dispatch", "workers", "data_type")
 # The model settings a checkpoint carries to evaluation and export (every other key).
 MODEL_KEYS = tuple(k for k in KEYS if k not in RUN_KEYS)
 TEXT_REQUIRED = ("n_layer", "n_embd")

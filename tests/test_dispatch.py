@@ -296,3 +296,54 @@ def test_a_first_choice_inside_selective_checkpointing_leaves_the_recompute_alon
     for a, b in zip((y, *grads), (y_ref, *torch.autograd.grad(y_ref.sum(), exact)),
                     strict=True):
         assert float((a.detach().double() - b).abs().max()) <= 1e-5 * float(b.abs().max())
+
+
+def test_adopted_choices_are_used_per_shape_and_the_rest_is_chosen(table, tmp_path):
+    """Another process's choices (rank 0's, a run's dispatch.json) taken as they are:
+    nothing checked or timed for the shapes they cover; another shape is chosen as usual."""
+    dispatch.choose(OP, (_x(64),))
+    stored = dispatch.choices()
+    stored[f"{OP} cpu float32 n=64"]["implementation"] = "slow"  # what the other chose
+    path = tmp_path / "dispatch.json"
+    path.write_text(json.dumps(stored))
+    dispatch.reset()
+    assert dispatch.apply_setting(str(path), "--dispatch") == f"1 choice(s) adopted from {path}"
+    assert dispatch.choose(OP, (_x(64),)).name == "slow"
+    assert dispatch.counters == {"checked": 0, "timed": 0}
+    assert table["info"][-1] == f"{OP}: slow (adopted), float32, n=64"
+    assert dispatch.choose(OP, (_x(32),)).name == "good"  # not covered: auto
+    assert dispatch.choices()[f"{OP} cpu float32 n=32"]["how"] == "auto"
+
+
+def test_the_dispatch_setting_pins_or_says_what_is_wrong(table, tmp_path):
+    assert dispatch.apply_setting("", "--dispatch") == "auto"
+    assert dispatch.apply_setting("auto", "--dispatch") == "auto"
+    assert dispatch.apply_setting(f"{OP}=slow", "--dispatch") == f"pinned {OP}=slow"
+    assert dispatch.choose(OP, (_x(),)).name == "slow"
+    with pytest.raises(DispatchError, match=f"--dispatch: unknown op 'nope'; expected one of"):
+        dispatch.apply_setting("nope=x", "--dispatch")
+    missing = tmp_path / "missing.json"
+    with pytest.raises(DispatchError, match="cannot read the dispatch choices .*missing.json"):
+        dispatch.apply_setting(str(missing), "--dispatch")
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(DispatchError, match="expected a run's dispatch.json"):
+        dispatch.apply_setting(str(bad), "--dispatch")
+    bad.write_text(json.dumps({"k": {"op": "nope", "implementation": "x", "device": "cpu",
+                                     "dtype": "float32", "shape": "n=1"}}))
+    with pytest.raises(DispatchError, match="unknown op 'nope'"):
+        dispatch.apply_setting(str(bad), "--dispatch")
+    bad.write_text(json.dumps({"k": {"op": OP}}))
+    with pytest.raises(DispatchError, match="is not a dispatch choice"):
+        dispatch.apply_setting(str(bad), "--dispatch")
+
+
+def test_preferred_implementations_run_where_they_can(table):
+    dispatch.prefer({OP: "slow"})
+    try:
+        assert dispatch.choose(OP, (_x(),)).name == "slow"
+        assert dispatch.counters == {"checked": 0, "timed": 0}
+        dispatch.reset()  # prefer survives a reset
+        assert dispatch.choose(OP, (_x(),)).name == "slow"
+    finally:
+        dispatch.prefer({})

@@ -40,6 +40,8 @@ def test_two_process_gloo_run(tmp_path, loss_flags):
     # global batch 16 = 4 x 2 x 2
     assert "2 optimizer steps/epoch" in log and "global batch 16" in log
     assert log.count("pairs/s") == 2  # rank 0 alone logs the progress lines
+    # the dispatch table: rank 0 chose, every rank took its choices
+    assert "dispatch: every rank runs rank 0's " in log
     ckdir = out_dir / "checkpoints"
     assert {"step_1.pt", "step_2.pt", "epoch_1.pt", LATEST} <= {p.name for p in ckdir.iterdir()}
     state = torch.load(ckdir / LATEST, weights_only=True)

@@ -94,3 +94,34 @@ def test_train_log_names_the_wkv_choice_and_the_run_stores_it(tmp_path):
         if c["op"] != "wkv":
             assert c["how"] in ("auto", "cache") and c["implementation"] in c["times_ms"]
             assert f"{c['op']}: {c['implementation']} (" in log
+
+
+def test_train_dispatch_setting_pins_and_repeats_a_run(tmp_path):
+    """--dispatch pins (logged, stored as pinned); a run's dispatch.json given back makes
+    the next run take the same implementations without choosing; a bad value is one line."""
+    from train_util import make_tiny_rec, tiny_argv
+    data = make_tiny_rec(tmp_path / "data", n=8)
+    first = command("train.py", *tiny_argv(tmp_path / "a", data, "--max-steps", "1",
+                                            "--dispatch", "relu_square=reference"))
+    assert first.returncode == 0, first.stderr
+    assert "dispatch: pinned relu_square=reference" in (tmp_path / "a" / "training.log").read_text()
+    stored = json.loads((tmp_path / "a" / "dispatch.json").read_text())
+    relu = [c for c in stored.values() if c["op"] == "relu_square"]
+    assert relu and all(c["implementation"] == "reference" and c["how"] == "pinned"
+                        for c in relu)
+    again = command("train.py", *tiny_argv(tmp_path / "b", data, "--max-steps", "1",
+                                            "--dispatch", str(tmp_path / "a" / "dispatch.json")))
+    assert again.returncode == 0, again.stderr
+    log = (tmp_path / "b" / "training.log").read_text()
+    assert f"dispatch: {len(stored)} choice(s) adopted from" in log
+    repeated = json.loads((tmp_path / "b" / "dispatch.json").read_text())
+    assert {k: c["implementation"] for k, c in repeated.items()} == \
+        {k: c["implementation"] for k, c in stored.items()}
+    assert {c["how"] for c in repeated.values()} == {"adopted"}
+    bad = command("train.py", *tiny_argv(tmp_path / "c", data, "--max-steps", "1",
+                                          "--dispatch", "relu_square=fastest"))
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].endswith(
+        "unknown relu_square implementation 'fastest' (from --dispatch); expected one of "
+        "auto, triton, short-backward, reference")
+    assert "Traceback" not in bad.stderr

@@ -180,6 +180,7 @@ TABLE: dict[str, Op] = {}
 SWITCHES: dict[str, Switch] = {}
 _pins: dict[str, str] = {}
 _preferred: dict[str, str] = {}              # prefer(): used where it runs, else auto
+_adopted: dict[str, str] = {}                # adopt(): "op|device type|dtype|shape" -> name
 _override: dict[str, str] | None = None      # $RWKV_CLIP_DISPATCH, parsed once
 _memo: dict[str, Choice] = {}                # one per (op, device, dtype, shape class)
 _by_device_type: dict[str, str] = {}         # "op:cpu" -> the last choice there (tracing)
@@ -313,6 +314,63 @@ def prefer(choices: Mapping[str, str]) -> None:
     _memo.clear()
 
 
+def _adopted_key(op: str, device_type: str, dtype: str, shape: str) -> str:
+    return f"{op}|{device_type}|{dtype}|{shape}"
+
+
+def adopt(chosen: Mapping[str, Mapping[str, Any]], source: str = "choices") -> None:
+    """Make the choices another process made (:func:`choices`, a run's ``dispatch.json``,
+    rank 0's under DDP) this one's, per op, device type, dtype and shape class; a call
+    they do not cover is chosen as usual. ``{}`` clears. A record naming an op or an
+    implementation the table does not know is a :class:`DispatchError`."""
+    adopted: dict[str, str] = {}
+    for record in chosen.values():
+        try:
+            op, name = record["op"], record["implementation"]
+            device_type = torch.device(record["device"]).type
+            key = _adopted_key(op, device_type, record["dtype"], record["shape"])
+        except (KeyError, TypeError, RuntimeError):
+            raise DispatchError(f"{source}: {record!r} is not a dispatch choice (op, "
+                                "implementation, device, dtype, shape)") from None
+        entry = TABLE.get(op)
+        if entry is None:
+            raise DispatchError(f"{source}: unknown op {op!r}; expected one of {_pinnable()}")
+        adopted[key] = entry.resolve(name, device_type, source)
+    _adopted.clear()
+    _adopted.update(adopted)
+    _memo.clear()
+
+
+def read_choices(path: str) -> dict[str, dict[str, Any]]:
+    """The choices stored in a run's ``dispatch.json`` (:func:`choices`' form)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise DispatchError(f"cannot read the dispatch choices {path}: {exc.strerror}") from None
+    except ValueError:
+        raise DispatchError(f"{path}: not JSON; expected a run's dispatch.json") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise DispatchError(f"{path}: expected a run's dispatch.json (an object of choices)")
+    return data
+
+
+def apply_setting(setting: str, source: str) -> str:
+    """The config key / flag ``dispatch``: ``op=name[,op=name]`` pins (:func:`pin`), or the
+    path of a run's ``dispatch.json`` whose choices are adopted (:func:`adopt`); empty or
+    ``auto``: the table chooses. Returns a description for the log."""
+    setting = (setting or "").strip()
+    if not setting or setting == AUTO:
+        return "auto"
+    if setting.endswith(".json") or os.path.isfile(setting):
+        chosen = read_choices(setting)
+        adopt(chosen, source=setting)
+        return f"{len(chosen)} choice(s) adopted from {setting}"
+    pins = parse_pins(setting, source)
+    pin(pins)
+    return "pinned " + ",".join(f"{k}={v}" for k, v in pins.items())
+
+
 def pins() -> dict[str, str]:
     """The pins set by :func:`pin` (op -> implementation)."""
     return dict(_pins)
@@ -322,7 +380,7 @@ def reset() -> None:
     """Forget every choice, check, pin, report and the override (read again next time)."""
     global _override
     _override = None
-    for d in (_pins, _memo, _by_device_type, _checked):
+    for d in (_pins, _adopted, _memo, _by_device_type, _checked):
         d.clear()
     _reported.clear()
     counters.update(checked=0, timed=0)
@@ -616,6 +674,12 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
     known = _memo.get(memo_key)
     if known is not None and known.how not in ("pinned", "override"):
         return op.implementations[known.implementation]
+    adopted = _adopted.get(_adopted_key(op.name, device.type, _dtype_name(dtype),
+                                        shape_text(shape)))
+    if adopted is not None and op.implementations[adopted].supports(device, dtype, shape) is None:
+        _remember(Choice(op.name, adopted, str(device), _dtype_name(dtype), shape_text(shape),
+                         "adopted"), memo_key, device.type)
+        return op.implementations[adopted]
     preferred = _preferred.get(op.name)
     if preferred is not None:
         impl = op.implementations[op.resolve(preferred, device.type, "prefer")]
@@ -648,5 +712,6 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
 __all__ = ["CACHE_FILE", "ENV_VARS", "OVERRIDE_ENV_VAR", "REPLACED_ENV_VARS", "SWITCHES", "TABLE",
            "Choice", "DispatchError", "Implementation", "Op", "Switch", "cache_key",
            "cache_path", "check", "check_replaced_env_vars", "choices", "choose", "counters",
-           "device_name", "get_op", "override", "parse_pins", "pin", "pinned", "pins", "prefer",
+           "adopt", "apply_setting", "device_name", "get_op", "override", "parse_pins", "pin",
+           "pinned", "pins", "prefer", "read_choices",
            "register_op", "register_switch", "reset", "set_reporter"]

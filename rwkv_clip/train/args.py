@@ -37,7 +37,7 @@ from .validation import add_validation_flags, resolve_validation
 
 # Config keys that are training options with their own flag (flag name -> config key).
 SHARED_FLAGS = {"precision": "precision", "dropout": "dropout", "workers": "workers",
-                "open_checkpoint": "with_cp", "rebuild": "rebuild"}
+                "open_checkpoint": "with_cp", "rebuild": "rebuild", "dispatch": "dispatch"}
 # Config keys that are not model settings: not recorded in args.model_config.
 NOT_MODEL_KEYS = ("workers", "data_type")
 
@@ -97,6 +97,11 @@ def build_train_parser() -> argparse.ArgumentParser:
                    help="text tower dropout (default: the config's, else 0.0)")
     g.add_argument("--open-checkpoint", type=str2bool, default=None, metavar="BOOL",
                    help="activation (gradient) checkpointing in both towers, less memory")
+    g.add_argument("--dispatch", default=None, metavar="OP=NAME,...|DISPATCH.JSON",
+                   help="the dispatch table's choices: pins such as wkv=cpu,relu_square="
+                        "reference, or a run's dispatch.json to repeat its choices. Default: "
+                        "the config's dispatch, else auto (each op checked and timed on first "
+                        "use; under DDP every rank takes rank 0's choices)")
     g.add_argument("--rebuild", choices=REBUILD_CHOICES, default=None,
                    help="where a residual branch keeps only the projections' and the WKV's "
                         "results and recomputes the rest in the backward: auto (branches "

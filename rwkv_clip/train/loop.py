@@ -218,6 +218,10 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
     log.info(f"rank {info.rank}/{info.world_size} on {info.device} "
              f"(backend {info.backend or 'none'}); model settings from {source}")
     warn_ignored(args, log.info)
+    setting = getattr(args, "dispatch", "") or dispatch.AUTO
+    if setting != dispatch.AUTO:  # pins or a run's choices, before any set-up
+        log.info(f"dispatch: {dispatch.apply_setting(setting, '--dispatch')} "
+                 "(the config key dispatch)")
     malloc_choice = host_memory.applied()
     if malloc_choice is not None:
         log.info(host_memory.describe(malloc_choice))
@@ -240,6 +244,7 @@ def train(args, info: DistInfo, log, stop: StopSignals | None = None,
     state = RunState()
     if watch is not None:
         watch.where = lambda: f"at step {state.step}"
+    share_dispatch_choices(model, args, info, precision, log)
     rng = None  # this rank's RNG states from the checkpoint, restored once data flows
     if ckpt is not None:
         rng = resume(ckpt, ckpt_path, info, log, model, optimizer, scaler, state,
@@ -388,6 +393,30 @@ def build_train_model(args, info: DistInfo, log) -> get_model:
              f"rebuild {args.rebuild}")
     seed_everything(args.seed + 1 + info.rank)  # per-rank dropout / drop-path streams
     return model
+
+
+def share_dispatch_choices(model: torch.nn.Module, args, info: DistInfo, precision, log) -> None:
+    """Under DDP without the config's ``dispatch`` (applied on every rank already): every
+    rank runs rank 0's choices. Rank 0 makes them in one forward and backward of a
+    synthetic batch of the run's shapes (its RNG states put back, its gradients dropped)
+    and the other ranks adopt them. One process chooses each op on first use."""
+    if not info.distributed or (getattr(args, "dispatch", "") or dispatch.AUTO) != dispatch.AUTO:
+        return
+    if info.is_master:
+        from ..memory import synthetic_batch
+        images, tokens = synthetic_batch(args, args.batch_size, info.device)
+        devices = [info.device] if info.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), precision.autocast_factory():
+            image_features, text_features, _ = model(images, tokens)
+            (image_features.float().square().mean()
+             + text_features.float().square().mean()).backward()
+        model.zero_grad(set_to_none=True)
+        del images, tokens, image_features, text_features
+    box = [dispatch.choices() if info.is_master else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if not info.is_master:
+        dispatch.adopt(box[0] or {}, source="rank 0's choices")
+    log.info(f"dispatch: every rank runs rank 0's {len(box[0] or {})} choice(s)")
 
 
 def fit_logit_bias(model: get_model, args, log) -> None:
