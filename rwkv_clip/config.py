@@ -25,7 +25,7 @@ _CHECKOUT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_config"
 DATA_TYPES = ("utf-8", "utf-16le", "numpy", "binidx", "dummy", "uint16")
 
 # The activation-memory policy's scope (config key rebuild, train.py --rebuild): auto
-# (large branches), always, never (rwkv_clip.layers.activation_memory.rebuilds).
+# (large branches), always, never (rwkv_clip.activation_memory.rebuilds).
 REBUILD_CHOICES = ("auto", "always", "never")
 
 # The config used when none is given (train.py, zero_shot.py without weights).
@@ -141,7 +141,7 @@ class ModelArgs:
     precision: str = _key("str", "bf16", choices=PRECISIONS)
     with_cp: bool = _key("bool", False)  # activation checkpointing in both towers
     # where a residual branch keeps only the activation-memory policy's tensors
-    # (rwkv_clip.layers.activation_memory.rebuilds)
+    # (rwkv_clip.activation_memory.rebuilds)
     rebuild: str = _key("str", "auto", choices=REBUILD_CHOICES)
     # the dispatch table's choices for the run: "" (auto), "op=name[,op=name]" pins, or a
     # run's dispatch.json to repeat (rwkv_clip.ops.dispatch.apply_setting)

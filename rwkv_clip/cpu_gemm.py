@@ -1,4 +1,4 @@
-"""The CPU GEMM policy of the towers' matrix products (:mod:`rwkv_clip.layers.linear`):
+"""The CPU GEMM policy of the towers' matrix products (:mod:`rwkv_clip.ops.products`):
 whether low-precision autocast products run as fp32 GEMMs on rounded operands, and whether
 fp32 ``Linear`` forwards run oneDNN's matmul. Each is a switch of the dispatch table
 (:class:`rwkv_clip.ops.dispatch.Switch`): a rule on the CPU chooses (``auto``) unless
@@ -36,7 +36,7 @@ LINEAR = dispatch.register_switch(dispatch.Switch("linear", ("onednn", "mkl")))
 @assume_constant_result  # traced calls read the choice made here
 def cpu_matmul_in_fp32(dtype: torch.dtype) -> bool:
     """Whether the towers' matmuls and convolutions under CPU ``dtype`` autocast (bf16 or
-    fp16) run as fp32 GEMMs on the rounded operands (see :mod:`rwkv_clip.layers.linear`).
+    fp16) run as fp32 GEMMs on the rounded operands (see :mod:`rwkv_clip.ops.products`).
 
     The switch ``lowp_matmul``: ``auto`` (default): on x86 CPUs without native GEMMs of
     that dtype (bf16: AVX512-BF16 or AMX; fp16: AMX-FP16;

@@ -12,6 +12,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
+from .activation_memory import residual_branch
 from .config import ModelArgs
 from .layers import (
     DropPath,
@@ -20,7 +21,6 @@ from .layers import (
     channel_mix,
     resize_pos_embed,
 )
-from .layers.activation_memory import residual_branch
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,

@@ -64,8 +64,8 @@ def export_decompositions() -> dict[Any, Callable]:
     """The package's operators as exportable PyTorch (``ExportedProgram.run_decompositions``):
     the WKV by its dense fixed-length form :func:`rwkv_clip.ops.dense.wkv6_bidirectional_dense`,
     the token shifts by slices and concatenations, the oneDNN linear by ``F.linear``."""
-    from .layers import linear as _linear_ops  # noqa: F401 - registers rwkv_clip::onednn_linear
     from .ops import kernels as _wkv_ops  # noqa: F401 - registers rwkv_clip::wkv6_forward
+    from .ops import products as _linear_ops  # noqa: F401 - registers rwkv_clip::onednn_linear
     from .ops import shift as _shift_ops  # noqa: F401 - registers the shift operators
 
     table: dict[Any, Callable] = {

@@ -11,9 +11,9 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
+from .activation_memory import residual_branch
 from .config import ModelArgs, complete_args
 from .layers import Linear, channel_mix
-from .layers.activation_memory import residual_branch
 from .layers.time_mix import (
     TIME_DECAY_EXTRA_DIM,
     TIME_MIX_EXTRA_DIM,

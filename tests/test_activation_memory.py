@@ -1,4 +1,4 @@
-"""The residual branches' activation-memory policy (rwkv_clip.layers.activation_memory):
+"""The residual branches' activation-memory policy (rwkv_clip.activation_memory):
 the same gradients bit for bit, the projections and the WKV kept and nothing else, off
 where it does not apply."""
 import math
@@ -8,10 +8,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 from train_util import TINY_CONFIG, tiny_model
 
-from rwkv_clip import load_model_configs
+from rwkv_clip import activation_memory, load_model_configs
 from rwkv_clip.cpu_gemm import cpu_matmul_choice_reset
 from rwkv_clip.errors import ConfigError
-from rwkv_clip.layers import activation_memory
 from rwkv_clip.memory import synthetic_batch
 from rwkv_clip.ops import dispatch
 
@@ -68,7 +67,7 @@ def _shapes(model, batch):
 
 @pytest.fixture
 def lowp_matmul(monkeypatch):
-    """Force the CPU bf16 product path (rwkv_clip.layers.linear) for one test."""
+    """Force the CPU bf16 product path (rwkv_clip.ops.products) for one test."""
     def choose(choice: str) -> None:
         dispatch.pin({"lowp_matmul": choice})
         cpu_matmul_choice_reset()
@@ -103,7 +102,7 @@ def test_same_gradients_keeping_the_projections_and_wkv(amp, monkeypatch, kept, 
 
 
 def test_products_in_fp32_keep_their_rounded_copy(monkeypatch, kept, lowp_matmul):
-    """Where CPU bf16 products run as fp32 GEMMs (rwkv_clip.layers.linear; CPUs without
+    """Where CPU bf16 products run as fp32 GEMMs (rwkv_clip.ops.products; CPUs without
     AVX512-BF16 or AMX, forced elsewhere), the policy keeps the bf16 result, not the fp32
     product it was rounded from."""
     lowp_matmul("fp32")

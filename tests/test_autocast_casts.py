@@ -1,7 +1,7 @@
 """Dtype conversions in a bf16-autocast forward of both towers: counted at the dispatcher
 (aten._to_copy between floating dtypes), bounded to the ones autocast's rules and the
 original's arithmetic make, and none of them a round trip (a conversion of a converted
-tensor), on both CPU product paths (rwkv_clip.layers.linear): native bf16 GEMMs (CPUs
+tensor), on both CPU product paths (rwkv_clip.ops.products): native bf16 GEMMs (CPUs
 with AVX512-BF16 or AMX) and fp32 GEMMs of the rounded operands (the others)."""
 from __future__ import annotations
 

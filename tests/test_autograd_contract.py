@@ -15,7 +15,7 @@ import rwkv_clip
 
 head_norm = importlib.import_module("rwkv_clip.ops.head_norm")
 lerp = importlib.import_module("rwkv_clip.ops.lerp")
-linear = importlib.import_module("rwkv_clip.layers.linear")
+linear = importlib.import_module("rwkv_clip.ops.products")
 relu_square = importlib.import_module("rwkv_clip.ops.relu_square")
 
 # Functions whose backward needs more than one process (tested with their collectives)

@@ -320,7 +320,7 @@ def test_the_dispatch_setting_pins_or_says_what_is_wrong(table, tmp_path):
     assert dispatch.apply_setting("auto", "--dispatch") == "auto"
     assert dispatch.apply_setting(f"{OP}=slow", "--dispatch") == f"pinned {OP}=slow"
     assert dispatch.choose(OP, (_x(),)).name == "slow"
-    with pytest.raises(DispatchError, match=f"--dispatch: unknown op 'nope'; expected one of"):
+    with pytest.raises(DispatchError, match="--dispatch: unknown op 'nope'; expected one of"):
         dispatch.apply_setting("nope=x", "--dispatch")
     missing = tmp_path / "missing.json"
     with pytest.raises(DispatchError, match="cannot read the dispatch choices .*missing.json"):

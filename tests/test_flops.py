@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from rwkv_clip.bench.flops import count_flops, image_inference_flops, training_flops
 from rwkv_clip.bench.resolution import build_ours
 from rwkv_clip.config import load_model_configs
-from rwkv_clip.layers.linear import linear
 from rwkv_clip.ops import wkv6_bidirectional
+from rwkv_clip.ops.products import linear
 
 
 @pytest.fixture

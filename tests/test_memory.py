@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
-from rwkv_clip import ClipLoss, create_RWKV_Model, load_model_configs
+from rwkv_clip import ClipLoss, activation_memory, create_RWKV_Model, load_model_configs
 from rwkv_clip.errors import MeasurementError
-from rwkv_clip.layers import activation_memory
 from rwkv_clip.memory import (
     activation_segments,
     estimate,

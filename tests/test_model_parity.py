@@ -108,7 +108,7 @@ def test_published_manifests(reference_dir, repo_root, name):
 # lerp back to float32; these bounds are ~2.5x what the original promotion gives on
 # this data (features 5.5e-3 / 6e-4, loss 8e-4, worst gradient norm 8%), so either rule
 # passes and a real precision loss does not. Both CPU product paths, whatever the CPU:
-# torch's bf16 GEMMs (native) and fp32 GEMMs of the rounded operands (rwkv_clip.layers.linear).
+# torch's bf16 GEMMs (native) and fp32 GEMMs of the rounded operands (rwkv_clip.ops.products).
 @pytest.mark.parametrize("products", ["native", "fp32"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_golden_bf16_autocast(golden, backend, products, choose):

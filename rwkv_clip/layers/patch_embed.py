@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import conv2d
+from ..ops.products import conv2d
 
 
 def _pair(x: int | tuple[int, int]) -> tuple[int, int]:

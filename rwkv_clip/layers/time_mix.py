@@ -14,7 +14,8 @@ from torch import nn
 
 from ..ops import wkv6_bidirectional
 from ..ops.glue import Shift, head_norm_gate, shift_lerp
-from .linear import Linear, matmul
+from ..ops.products import matmul
+from .linear import Linear
 
 TIME_MIX_EXTRA_DIM = 32    # rank of the LoRA that makes the five lerp weights data-dependent
 TIME_DECAY_EXTRA_DIM = 64  # rank of the LoRA that makes the decay data-dependent

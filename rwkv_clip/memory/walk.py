@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from ..activation_memory import rebuilds
 from ..config import ModelArgs
 from ..errors import ConfigError
-from ..layers.activation_memory import rebuilds
 from ..layers.time_mix import TIME_DECAY_EXTRA_DIM, TIME_MIX_EXTRA_DIM
 from .params import _SIZES, ParamTable
 
@@ -65,7 +65,7 @@ class Sym:
                  base: Sym | None = None, rg: bool = True) -> None:
         self.n, self.dtype, self.param, self.base = int(n), dtype, param, base
         self.rg = rg  # requires grad (False: a frozen parameter or what only they made)
-        self.rebuilt = False  # recomputed by the backward (rwkv_clip.layers.activation_memory)
+        self.rebuilt = False  # recomputed by the backward (rwkv_clip.activation_memory)
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +88,7 @@ class Walker:
         self.saved: dict[int, Sym] = {}
         self._rebuilt = 0
         self._rebuilt_casts = 0
-        self.rebuilding = False  # set per block (rwkv_clip.layers.activation_memory.rebuilds)
+        self.rebuilding = False  # set per block (rwkv_clip.activation_memory.rebuilds)
         self.policy_off = False  # whole-block checkpointing: no block rebuilds
         self.rebuild = "auto"    # the config key rebuild
         self._branch: tuple[set[int], set[int], int] | None = None  # saved before, kept, casts
@@ -124,7 +124,7 @@ class Walker:
 
     def begin_branch(self, x: Sym) -> None:
         """A residual branch with input ``x`` starts (a norm and its mix,
-        :func:`rwkv_clip.layers.activation_memory.residual_branch`). Where the block
+        :func:`rwkv_clip.activation_memory.residual_branch`). Where the block
         rebuilds (:attr:`rebuilding`), the branch keeps ``x`` and what :meth:`keep` names;
         everything else it saves is recomputed by the backward (:meth:`end_branch`)."""
         if self.rebuilding:
@@ -445,7 +445,7 @@ def activation_segments(args: Any, batch: int, amp: str | None, device: str,
     scores ``loss_batch`` samples per rank (the whole accumulated batch: the training
     loop's exact accumulation caches every micro-batch's features). ``params`` is
     :func:`parameter_table` of ``args`` (built here when not given). Blocks rebuild
-    (:func:`rwkv_clip.layers.activation_memory.rebuilds`) unless ``checkpointing``: a
+    (:func:`rwkv_clip.activation_memory.rebuilds`) unless ``checkpointing``: a
     whole-block checkpoint's own hooks turn the branches' policy off."""
     for bad in ("head_qk", "tiny_att_dim", "pos_emb"):
         if (_cfg(args, bad, 0) or 0) > 0:

@@ -1,4 +1,4 @@
-"""The towers' products under CPU low-precision autocast (rwkv_clip.layers.linear).
+"""The towers' products under CPU low-precision autocast (rwkv_clip.ops.products).
 
 Where the policy applies, a product is the fp32 GEMM of the operands rounded as autocast
 rounds them, rounded back: checked bit for bit against that recipe, against torch's own
@@ -16,8 +16,9 @@ from rwkv_clip.cpu_gemm import (
     cpu_matmul_in_fp32,
 )
 from rwkv_clip.errors import DispatchError, PrecisionError
-from rwkv_clip.layers.linear import Linear, conv2d, linear, matmul
+from rwkv_clip.layers.linear import Linear
 from rwkv_clip.ops import dispatch
+from rwkv_clip.ops.products import conv2d, linear, matmul
 
 pytestmark = pytest.mark.cpu_isa
 

@@ -24,8 +24,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ..config import REBUILD_CHOICES
-from ..errors import ConfigError
+from .config import REBUILD_CHOICES
+from .errors import ConfigError
 
 # auto: branches whose input has at least this many elements (batch x tokens x channels);
 # below it the saved bytes are small and the recomputation's share of the step is not.
@@ -72,14 +72,14 @@ def residual_branch(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
 
 
 def _products() -> frozenset:
-    from . import linear  # noqa: F401  registers rwkv_clip::onednn_linear
+    from .ops import products  # noqa: F401  registers rwkv_clip::onednn_linear
     aten = torch.ops.aten
     return frozenset((aten.mm.default, aten.addmm.default, aten.bmm.default,
                       aten.baddbmm.default, torch.ops.rwkv_clip.onednn_linear.default))
 
 
 def _wkv() -> Any:
-    from ..ops import kernels  # noqa: F401  registers rwkv_clip::wkv6_forward
+    from .ops import kernels  # noqa: F401  registers rwkv_clip::wkv6_forward
     return torch.ops.rwkv_clip.wkv6_forward.default
 
 
@@ -87,7 +87,7 @@ class _Policy:
     """The SAC policy of one branch call: MUST_SAVE for the WKV and for the products
     computed inside a kept projection (between its forward hooks), PREFER_RECOMPUTE for
     everything else. A projection whose product runs in fp32 for a lower-precision result
-    (:mod:`.linear` on CPUs without native bf16/fp16 GEMMs) keeps the rounded copy."""
+    (:mod:`.ops.products` on CPUs without native bf16/fp16 GEMMs) keeps the rounded copy."""
 
     def __init__(self, mix: nn.Module) -> None:
         self.projections = [getattr(m, "base_layer", m)  # peft's LoRA: the base product
