@@ -210,6 +210,21 @@ def test_commit_of_names_the_checkout(repo_root, tmp_path):
     assert commit_of(tmp_path) == "unknown"
 
 
+def test_each_side_gets_an_empty_cache_for_data_and_kernels(repo_root, tmp_path):
+    """A checkout that still reads RWKV_CLIP_KERNEL_CACHE gets it set to the fresh folder
+    too, so neither side finds a compiled kernel the other had to build; this one, which
+    rejects the variable, gets RWKV_CLIP_CACHE alone."""
+    from rwkv_clip.bench.main_job import fresh_cache_env
+    ours = fresh_cache_env(repo_root, tmp_path / "c1")
+    assert ours == {"RWKV_CLIP_CACHE": str(tmp_path / "c1")}
+    old = tmp_path / "old"
+    (old / "rwkv_clip" / "ops").mkdir(parents=True)
+    (old / "rwkv_clip" / "ops" / "dispatch.py").write_text("# an older table\n")
+    assert fresh_cache_env(old, tmp_path / "c2") == {
+        "RWKV_CLIP_CACHE": str(tmp_path / "c2"),
+        "RWKV_CLIP_KERNEL_CACHE": str(tmp_path / "c2" / "kernels")}
+
+
 @pytest.mark.slow
 def test_main_job_time_against_another_checkout_pairs_runs_abba(repo_root, tmp_path):
     """Two checkouts (here the same one twice), one pair: each side trains in a fresh data

@@ -117,10 +117,26 @@ def commit_of(repo: Path) -> str:
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+LEGACY_KERNEL_CACHE_ENV = "RWKV_CLIP_KERNEL_CACHE"  # read by checkouts before RWKV_CLIP_CACHE
+
+
+def fresh_cache_env(checkout: Path, folder: Path) -> dict[str, str]:
+    """The environment that gives ``checkout`` an empty cache in ``folder`` for everything
+    (data and compiled kernels), as on a fresh clone: ``RWKV_CLIP_CACHE``, and for a
+    checkout that still reads its own kernel-cache variable, that one too (a checkout that
+    rejects it lists it among its replaced variables)."""
+    env = {"RWKV_CLIP_CACHE": str(folder)}
+    dispatch_py = checkout / "rwkv_clip" / "ops" / "dispatch.py"
+    rejects = dispatch_py.is_file() and LEGACY_KERNEL_CACHE_ENV in dispatch_py.read_text()
+    if not rejects:
+        env[LEGACY_KERNEL_CACHE_ENV] = str(folder / "kernels")
+    return env
+
+
 def time_against(ns: Any, repo: Path) -> dict[str, Any]:
     """Command 1's wall time here against another checkout's (``ns.against``), paired:
-    ``ns.repeats`` pairs in ABBA order, each run in a fresh data cache of its own (the
-    built-in set is generated as on a fresh clone), one seed. Their time / ours > 1:
+    ``ns.repeats`` pairs in ABBA order, each run in a fresh cache of its own (the built-in
+    set is generated and the WKV kernel compiled as on a fresh clone), one seed. Their time / ours > 1:
     this checkout is faster."""
     from .versus import paired_ratios
     other = Path(ns.against).resolve()
@@ -136,7 +152,7 @@ def time_against(ns: Any, repo: Path) -> dict[str, Any]:
     for r in range(ns.repeats):
         for side in (("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")):
             output = Path(ns.runs) / f"{side}-{r}"
-            env = {"RWKV_CLIP_CACHE": str(Path(ns.runs).resolve() / f"cache-{side}-{r}")}
+            env = fresh_cache_env(sides[side], Path(ns.runs).resolve() / f"cache-{side}-{r}")
             wall = run_seed(sys.executable, sides[side], output, seed, ns.train_args, env)
             walls[side].append(wall)
             runs.append({"side": side, "repeat": r, "seed": seed, "wall_s": wall,
