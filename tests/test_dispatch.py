@@ -347,3 +347,29 @@ def test_preferred_implementations_run_where_they_can(table):
         assert dispatch.choose(OP, (_x(),)).name == "slow"
     finally:
         dispatch.prefer({})
+
+
+def test_timing_takes_each_candidates_best_run_in_rounds(table):
+    """A load spike slows runs, not candidates: the candidates run in turn and each one's
+    best run counts, so a fast implementation slowed twice still wins."""
+    calls = {"spiky": 0}
+
+    def spiky(x):
+        calls["spiky"] += 1
+        if calls["spiky"] in (3, 4, 5):  # three of its timed runs hit a spike
+            time.sleep(0.05)
+        return x * 2
+
+    def steady(x):
+        time.sleep(0.005)
+        return x * 2
+    op = dispatch.TABLE[OP]
+    for name in ("good", "slow", "raises", "wrong"):
+        op.implementations.pop(name)
+    op.register(Implementation("steady", steady, _on_cpu, ("cpu",)))
+    op.register(Implementation("spiky", spiky, _on_cpu, ("cpu",)))
+    assert dispatch.choose(OP, (_x(),)).name == "spiky"
+    chosen = dispatch.choices()[f"{OP} cpu float32 n=64"]["times_ms"]
+    assert chosen["spiky"] < 5 <= chosen["steady"]
+    # checked once, then one warm-up run and the rounds
+    assert calls["spiky"] == 1 + 1 + dispatch.TIMED_ITERATIONS

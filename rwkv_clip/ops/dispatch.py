@@ -50,7 +50,7 @@ OVERRIDE_ENV_VAR = "RWKV_CLIP_DISPATCH"
 AUTO = "auto"  # as a pin: no pin, the table chooses
 CACHE_FILE = "dispatch.json"
 CACHE_FORMAT = 1  # bump when a record's layout or the key's contents change
-TIMED_ITERATIONS = 3
+TIMED_ITERATIONS = 5  # rounds, the candidates in turn; each one's best run counts
 # a candidate whose first timed run is this many times slower than the best so far is
 # not run again: its one run is its time (the reference can be very slow at full size)
 GIVE_UP_FACTOR = 20.0
@@ -535,11 +535,12 @@ def check(op: Op, impl: Implementation, device: torch.device, dtype: torch.dtype
     return problem
 
 
-def _time(impl: Implementation, args: Sequence[Any], attrs: Attrs, needs_grad: bool,
-          budget_ms: float) -> float:
-    """Median milliseconds of ``impl`` on copies of ``args`` (forward and backward when
-    gradients are needed; copies, so an implementation that writes into its input, as
-    one may without grad, leaves the caller's tensors alone)."""
+def _timer(impl: Implementation, args: Sequence[Any], attrs: Attrs,
+           needs_grad: bool) -> Callable[[], float]:
+    """A function that runs ``impl`` once on copies of ``args`` and returns its
+    milliseconds (forward and backward when gradients are needed; copies, so an
+    implementation that writes into its input, as one may without grad, leaves the
+    caller's tensors alone)."""
     counters["timed"] += 1
     device = next(a.device for a in args if isinstance(a, Tensor))
     xs = [a.detach().clone().requires_grad_(needs_grad and a.requires_grad)
@@ -557,11 +558,7 @@ def _time(impl: Implementation, args: Sequence[Any], attrs: Attrs, needs_grad: b
             torch.cuda.synchronize(device)
         return (time.perf_counter() - t0) * 1e3
 
-    first = once()  # warm-up (first-use builds, caches); also the give-up test
-    if first > budget_ms:
-        return first
-    times = sorted(once() for _ in range(TIMED_ITERATIONS))
-    return times[len(times) // 2]
+    return once
 
 
 def _same(x: Tensor) -> Tensor:
@@ -586,14 +583,26 @@ def _auto(op: Op, args: Sequence[Any], attrs: Attrs, device: torch.device, dtype
         survivors = [impl for impl in survivors if impl.fn is not op.reference]
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(a, Tensor) and a.requires_grad for a in args)
+    # one warm-up run each (first-use builds; a candidate far slower than the best so far
+    # keeps that run as its time), then rounds in turn, each candidate's best run: a
+    # moment of load elsewhere on the machine slows one run, not one candidate
     times: dict[str, float] = {}
+    timers: dict[str, Callable[[], float]] = {}
     for impl in survivors:
         best = min(times.values(), default=float("inf"))
         try:
-            times[impl.name] = _time(impl, args, attrs, needs_grad, best * GIVE_UP_FACTOR)
+            timer = _timer(impl, args, attrs, needs_grad)
+            times[impl.name] = timer()
         except Exception as exc:  # runs at the small shape, fails at the real one
             _warn(f"dispatch: {op.name}: dropped {impl.name}: raised {type(exc).__name__} at "
                   f"{shape_text(shape)}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        if times[impl.name] <= best * GIVE_UP_FACTOR:
+            timers[impl.name] = timer
+    rounds = TIMED_ITERATIONS if len(timers) > 1 else 0  # one contender: nothing to compare
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            times[name] = min(times[name], timer())
     if not times:
         raise op.error(f"no {op.name} implementation runs {dtype} on {device} at "
                        f"{shape_text(shape)}; candidates: {', '.join(op.implementations)}")
