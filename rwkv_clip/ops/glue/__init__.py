@@ -78,6 +78,22 @@ def _generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
+def _glue_op(name: str, reference, check_inputs, shape_class, triton,
+             eager: dispatch.Implementation, on_export: str) -> dispatch.Op:
+    """Register a glue op with its three implementations: the Triton kernels, the eager
+    one (``eager``) and the reference, a contender too (plain torch ops may win)."""
+    op = dispatch.register_op(dispatch.Op(
+        name=name, reference=reference, check_inputs=check_inputs, tolerance=GLUE_TOLERANCE,
+        shape_class=shape_class, error=ConfigError, on_export=on_export,
+        reference_competes=True))
+    op.register(dispatch.Implementation("triton", triton, _triton_supports, ("cuda",),
+                                        takes_float64=False))
+    op.register(eager)
+    op.register(dispatch.Implementation("reference", reference, _any_float,
+                                        ("cpu", "cuda", "mps", "xpu")))
+    return op
+
+
 # ----------------------------------------------------------------------- shift_lerp
 def _shift_lerp_shape(x: Tensor, weight: Tensor, shift: Shift, shifted_first: bool = False):
     return {"kind": shift.kind, "S": int(weight.shape[0]), "full": int(weight.shape[1] != 1),
@@ -116,16 +132,10 @@ def _shift_lerp_triton(x, weight, shift: Shift, shifted_first: bool = False):
                          shifted_first).unbind(0)
 
 
-SHIFT_LERP = dispatch.register_op(dispatch.Op(
-    name="shift_lerp", reference=_shift_lerp_reference, check_inputs=_shift_lerp_check_inputs,
-    tolerance=GLUE_TOLERANCE, shape_class=_shift_lerp_shape, error=ConfigError,
-    on_export="copies", reference_competes=True))
-SHIFT_LERP.register(dispatch.Implementation("triton", _shift_lerp_triton, _triton_supports,
-                                            ("cuda",), takes_float64=False))
-SHIFT_LERP.register(dispatch.Implementation("copies", _shift_lerp_copies, _any_float,
-                                            ("cpu", "cuda")))
-SHIFT_LERP.register(dispatch.Implementation("reference", _shift_lerp_reference, _any_float,
-                                            ("cpu", "cuda", "mps", "xpu")))
+SHIFT_LERP = _glue_op(
+    "shift_lerp", _shift_lerp_reference, _shift_lerp_check_inputs, _shift_lerp_shape,
+    _shift_lerp_triton, dispatch.Implementation("copies", _shift_lerp_copies, _any_float,
+                                                ("cpu", "cuda")), on_export="copies")
 
 
 def shift_lerp(x: Tensor, weight: Tensor, shift: Shift,
@@ -164,17 +174,11 @@ def _head_norm_gate_triton(y, weight, bias, gate, n_head: int, eps: float):
     return head_norm_gate_op(y.contiguous(), weight, bias, gate.contiguous(), n_head, eps)
 
 
-HEAD_NORM_GATE = dispatch.register_op(dispatch.Op(
-    name="head_norm_gate", reference=head_norm_gate_reference,
-    check_inputs=_head_norm_gate_check_inputs, tolerance=GLUE_TOLERANCE,
-    shape_class=_head_norm_gate_shape, error=ConfigError, on_export="reference",
-    reference_competes=True))
-HEAD_NORM_GATE.register(dispatch.Implementation(
-    "triton", _head_norm_gate_triton, _triton_supports, ("cuda",), takes_float64=False))
-HEAD_NORM_GATE.register(dispatch.Implementation(
-    "layer-norm", head_norm_gate_layer_norm, _cpu_float, ("cpu",)))
-HEAD_NORM_GATE.register(dispatch.Implementation(
-    "reference", head_norm_gate_reference, _any_float, ("cpu", "cuda", "mps", "xpu")))
+HEAD_NORM_GATE = _glue_op(
+    "head_norm_gate", head_norm_gate_reference, _head_norm_gate_check_inputs,
+    _head_norm_gate_shape, _head_norm_gate_triton,
+    dispatch.Implementation("layer-norm", head_norm_gate_layer_norm, _cpu_float, ("cpu",)),
+    on_export="reference")
 
 
 def head_norm_gate(y: Tensor, weight: Tensor, bias: Tensor, gate: Tensor, n_head: int,
@@ -206,17 +210,11 @@ def _relu_square_triton(x: Tensor, inplace: bool = False) -> Tensor:
     return relu_square_op(x)
 
 
-RELU_SQUARE = dispatch.register_op(dispatch.Op(
-    name="relu_square", reference=_relu_square_reference,
-    check_inputs=_relu_square_check_inputs, tolerance=GLUE_TOLERANCE,
-    shape_class=_relu_square_shape, error=ConfigError, on_export="reference",
-    reference_competes=True))
-RELU_SQUARE.register(dispatch.Implementation(
-    "triton", _relu_square_triton, _triton_supports, ("cuda",), takes_float64=False))
-RELU_SQUARE.register(dispatch.Implementation(
-    "short-backward", relu_square_short_backward, _any_float, ("cpu", "cuda")))
-RELU_SQUARE.register(dispatch.Implementation(
-    "reference", _relu_square_reference, _any_float, ("cpu", "cuda", "mps", "xpu")))
+RELU_SQUARE = _glue_op(
+    "relu_square", _relu_square_reference, _relu_square_check_inputs, _relu_square_shape,
+    _relu_square_triton, dispatch.Implementation("short-backward", relu_square_short_backward,
+                                                 _any_float, ("cpu", "cuda")),
+    on_export="reference")
 
 
 def relu_square(x: Tensor, inplace: bool = False) -> Tensor:
