@@ -117,14 +117,12 @@ def commit_of(repo: Path) -> str:
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-LEGACY_KERNEL_CACHE_ENV = "RWKV_CLIP_KERNEL_CACHE"  # read by checkouts before RWKV_CLIP_CACHE
-
-
 def fresh_cache_env(checkout: Path, folder: Path) -> dict[str, str]:
     """The environment that gives ``checkout`` an empty cache in ``folder`` for everything
     (data and compiled kernels), as on a fresh clone: ``RWKV_CLIP_CACHE``, and for a
     checkout that still reads its own kernel-cache variable, that one too (a checkout that
     rejects it lists it among its replaced variables)."""
+    from ..ops.dispatch import LEGACY_KERNEL_CACHE_ENV
     env = {"RWKV_CLIP_CACHE": str(folder)}
     dispatch_py = checkout / "rwkv_clip" / "ops" / "dispatch.py"
     rejects = dispatch_py.is_file() and LEGACY_KERNEL_CACHE_ENV in dispatch_py.read_text()

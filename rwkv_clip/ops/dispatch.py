@@ -250,6 +250,7 @@ def parse_pins(text: str, source: str) -> dict[str, str]:
 # RWKV_CLIP_* variables no longer read -> what to use instead. Set, one stops the run with
 # one line rather than be ignored (checked with the override, which every command-line
 # program reads before any set-up). The variables read: ENV_VARS.
+LEGACY_KERNEL_CACHE_ENV = "RWKV_CLIP_KERNEL_CACHE"  # what older checkouts read for kernels
 REPLACED_ENV_VARS = {
     "RWKV_CLIP_WKV_BACKEND": "RWKV_CLIP_DISPATCH=wkv=reference|cpu|cuda-fast|...",
     "RWKV_CLIP_WKV_CUDA_VARIANT": "RWKV_CLIP_DISPATCH=wkv=cuda-fast|cuda-faithful|chunked",
@@ -257,7 +258,7 @@ REPLACED_ENV_VARS = {
     "RWKV_CLIP_CPU_LOWP_MATMUL": "RWKV_CLIP_DISPATCH=lowp_matmul=native|fp32",
     "RWKV_CLIP_WKV_CPU_ISA": "ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA below the CPU's "
                              "level (the CPU kernel's portable build of that level)",
-    "RWKV_CLIP_KERNEL_CACHE": "RWKV_CLIP_CACHE (kernels in $RWKV_CLIP_CACHE/kernels)",
+    LEGACY_KERNEL_CACHE_ENV: "RWKV_CLIP_CACHE (kernels in $RWKV_CLIP_CACHE/kernels)",
     "RWKV_CLIP_REBUILD": "the config key rebuild or train.py --rebuild auto|always|never",
     "RWKV_CLIP_HOST_MALLOC": "the flag --host-malloc auto|retain|system",
     "RWKV_CLIP_DATA_ROOT": "the flag --data-root DIR",
