@@ -57,14 +57,16 @@ def cpu_matmul_choice_reset() -> None:
 @functools.cache
 def _cpu_matmul_in_fp32(dtype: torch.dtype, pinned: str | None) -> bool:
     if pinned is not None:
-        return pinned == "fp32"
-    if not cpu_info().x86:
-        return False  # other CPUs: leave torch's kernels alone
-    if dtype == torch.bfloat16:
-        return not native_lowp_gemm("bf16")
-    if dtype == torch.float16:
-        return not native_lowp_gemm("fp16")
-    return False
+        in_fp32 = pinned == "fp32"
+    elif not cpu_info().x86:
+        in_fp32 = False  # other CPUs: leave torch's kernels alone
+    elif dtype in (torch.bfloat16, torch.float16):
+        in_fp32 = not native_lowp_gemm("bf16" if dtype == torch.bfloat16 else "fp16")
+    else:
+        in_fp32 = False
+    dispatch.record_switch(LOWP_MATMUL.name, "fp32" if in_fp32 else "native", dtype,
+                           "pinned" if pinned else "rule", "autocast products")
+    return in_fp32
 
 
 @assume_constant_result
@@ -92,9 +94,13 @@ def _cpu_linear_uses_onednn(pinned: str | None) -> bool:
                              "build has no oneDNN matmul (torch.backends.mkldnn); expected "
                              "auto or mkl here")
     if pinned is not None:
-        return pinned == "onednn"
-    info = cpu_info()
-    return available and info.x86 and info.vendor == "AuthenticAMD"
+        onednn = pinned == "onednn"
+    else:
+        info = cpu_info()
+        onednn = available and info.x86 and info.vendor == "AuthenticAMD"
+    dispatch.record_switch(LINEAR.name, "onednn" if onednn else "mkl", torch.float32,
+                           "pinned" if pinned else "rule", "both widths >= 512")
+    return onednn
 
 
 __all__ = ["cpu_matmul_in_fp32", "cpu_matmul_choice_reset", "cpu_linear_uses_onednn",

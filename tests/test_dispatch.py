@@ -373,3 +373,23 @@ def test_timing_takes_each_candidates_best_run_in_rounds(table):
     assert chosen["spiky"] < 5 <= chosen["steady"]
     # checked once, then one warm-up run and the rounds
     assert calls["spiky"] == 1 + 1 + dispatch.TIMED_ITERATIONS
+
+
+def test_switch_decisions_are_reported_stored_and_adopted_as_pins(table):
+    from rwkv_clip.cpu_gemm import cpu_linear_uses_onednn, cpu_matmul_choice_reset
+    cpu_matmul_choice_reset()
+    try:
+        onednn = cpu_linear_uses_onednn()
+        chosen = dispatch.choices()
+        record = chosen["linear cpu float32 both widths >= 512"]
+        assert record["implementation"] == ("onednn" if onednn else "mkl")
+        assert record["how"] == "rule"
+        assert table["info"][-1] == (f"linear: {record['implementation']} (rule), float32, "
+                                     "both widths >= 512")
+        flipped = dict(record, implementation="mkl" if onednn else "onednn")
+        dispatch.adopt({"k": flipped})
+        assert dispatch.pins() == {"linear": flipped["implementation"]}
+        assert cpu_linear_uses_onednn() is (flipped["implementation"] == "onednn")
+    finally:
+        dispatch.reset()
+        cpu_matmul_choice_reset()

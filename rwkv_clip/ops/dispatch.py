@@ -325,6 +325,7 @@ def adopt(chosen: Mapping[str, Mapping[str, Any]], source: str = "choices") -> N
     they do not cover is chosen as usual. ``{}`` clears. A record naming an op or an
     implementation the table does not know is a :class:`DispatchError`."""
     adopted: dict[str, str] = {}
+    switch_pins: dict[str, str] = {}
     for record in chosen.values():
         try:
             op, name = record["op"], record["implementation"]
@@ -333,12 +334,16 @@ def adopt(chosen: Mapping[str, Mapping[str, Any]], source: str = "choices") -> N
         except (KeyError, TypeError, RuntimeError):
             raise DispatchError(f"{source}: {record!r} is not a dispatch choice (op, "
                                 "implementation, device, dtype, shape)") from None
+        if op in SWITCHES:  # a rule's decision: pinned as it was
+            switch_pins[op] = SWITCHES[op].resolve(name, device_type, source)
+            continue
         entry = TABLE.get(op)
         if entry is None:
             raise DispatchError(f"{source}: unknown op {op!r}; expected one of {_pinnable()}")
         adopted[key] = entry.resolve(name, device_type, source)
     _adopted.clear()
     _adopted.update(adopted)
+    _pins.update(switch_pins)
     _memo.clear()
 
 
@@ -385,6 +390,13 @@ def reset() -> None:
         d.clear()
     _reported.clear()
     counters.update(checked=0, timed=0)
+
+
+def record_switch(name: str, choice: str, dtype: torch.dtype, how: str, shape: str) -> None:
+    """A switch's decision on the CPU (``how``: ``rule`` or ``pinned``): reported once and
+    kept with the choices (a run's ``dispatch.json``; :func:`adopt` pins it again)."""
+    key = f"{name}|cpu|{_dtype_name(dtype)}|{shape}"
+    _remember(Choice(name, choice, "cpu", _dtype_name(dtype), shape, how), key, "cpu")
 
 
 def choices() -> dict[str, dict[str, Any]]:
@@ -723,5 +735,5 @@ __all__ = ["CACHE_FILE", "ENV_VARS", "OVERRIDE_ENV_VAR", "REPLACED_ENV_VARS", "S
            "Choice", "DispatchError", "Implementation", "Op", "Switch", "cache_key",
            "cache_path", "check", "check_replaced_env_vars", "choices", "choose", "counters",
            "adopt", "apply_setting", "device_name", "get_op", "override", "parse_pins", "pin",
-           "pinned", "pins", "prefer", "read_choices",
+           "pinned", "pins", "prefer", "read_choices", "record_switch",
            "register_op", "register_switch", "reset", "set_reporter"]
