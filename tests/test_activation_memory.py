@@ -169,3 +169,27 @@ def test_policy_by_size_and_its_setting():
     with pytest.raises(ConfigError, match="rebuild"):
         tiny_model(rebuild="sometimes")
     assert tiny_model(rebuild="always").image_model.rebuild == "always"
+
+
+def test_the_training_page_names_the_batches_the_policy_starts_at():
+    """docs/training.md's "from batch N" figures are the first batch whose block input
+    reaches REBUILD_MIN_ELEMENTS (rebuild auto), computed from the configs."""
+    import re
+    from pathlib import Path
+
+    from rwkv_clip import load_model_configs
+    from rwkv_clip.activation_memory import rebuilds
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+
+    def _image_tokens(args, size: int) -> int:
+        return (size // args.image_patch_size) ** 2 + int(bool(args.image_with_cls_token))
+
+    def first_batch(tokens: int, width: int) -> int:
+        return next(b for b in range(1, 1 << 16) if rebuilds(b * tokens * width, "auto"))
+    b32, b16 = load_model_configs("RWKV_CLIP_B32"), load_model_configs("RWKV_CLIP_B16")
+    expected = (f"B/32 at 224 px: the text blocks from\nbatch "
+                f"{first_batch(b32.ctx_len, b32.n_embd)}, the image blocks from batch "
+                f"{first_batch(_image_tokens(b32, 224), b32.image_embed_dims)}; "
+                f"B/16 at 896 px: the image blocks from batch "
+                f"{first_batch(_image_tokens(b16, 896), b16.image_embed_dims)})")
+    assert expected in text, re.findall(r"B/32 at 224 px[^)]*\)", text)
