@@ -3,6 +3,7 @@ its timing arithmetic, its flag checks, and one JSON object from each script."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -144,8 +145,18 @@ def test_b32_beside_open_clip_vit_b32(repo_root):
                 "--modes", "eager", "--repeats", "1", "--versus-threads", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(proc.stdout)["rows"][0]
-    assert row["rwkv_clip"]["pairs_per_s"] > 0 and row["open_clip"]["pairs_per_s"] > 0
-    assert row["ratio"] > 0
+    ours, theirs = row["rwkv_clip"], row["open_clip"]
+    assert ours["finite"] and theirs["finite"]
+    # each model's rate is the batch over its median step time, and the ratio is the
+    # paired one: their time over ours, repeat by repeat
+    for side in (ours, theirs):
+        assert side["pairs_per_s"] == pytest.approx(row["batch"] / statistics.median(side["step_s"]))
+    paired = [t / o for o, t in zip(ours["step_s"], theirs["step_s"], strict=True)]
+    assert row["paired_ratios"] == pytest.approx(paired)
+    assert row["ratio"] == pytest.approx(statistics.median(paired))
+    low, high = row["ratio_range"]
+    assert [low, high] == [min(paired), max(paired)]
+    assert row["gain"] == ("ours" if low > 1 else "theirs" if high < 1 else None)
 
 
 MAIN_JOB_LOG = """\
