@@ -407,11 +407,10 @@ def share_dispatch_choices(model: torch.nn.Module, args, info: DistInfo, precisi
         images, tokens = synthetic_batch(args, args.batch_size, info.device)
         devices = [info.device] if info.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), precision.autocast_factory():
-            image_features, text_features, _ = model(images, tokens)
-            (image_features.float().square().mean()
-             + text_features.float().square().mean()).backward()
+            outputs = model(images, tokens)  # features, features, scale (and SigLIP's bias)
+            (outputs[0].float().square().mean() + outputs[1].float().square().mean()).backward()
         model.zero_grad(set_to_none=True)
-        del images, tokens, image_features, text_features
+        del images, tokens, outputs
     box = [dispatch.choices() if info.is_master else None]
     torch.distributed.broadcast_object_list(box, src=0)
     if not info.is_master:
