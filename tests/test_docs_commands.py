@@ -188,8 +188,8 @@ COMMANDS: dict[str, str] = {
     # test_train_validation.py run the probe, validation and offline wandb on tiny data
     "python train.py": "help",
     "WANDB_MODE=offline python train.py --report-to wandb --name offline-run": "help",
-    "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_infer.py --repeats 5 --modes eager --precisions fp32,bf16":
-        "help",
+    "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_infer.py --repeats 5 "
+    "--modes eager --precisions fp32,bf16": "help",
     "python train.py --report-to tensorboard,wandb --wandb-project-name rwkv-clip --name "
     "small-builtin": "help",
     "python train.py --train-data data/train --val-data data/val --val-frequency 2": "help",
