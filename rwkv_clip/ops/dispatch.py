@@ -395,8 +395,8 @@ def reset() -> None:
 def record_switch(name: str, choice: str, dtype: torch.dtype, how: str, shape: str) -> None:
     """A switch's decision on the CPU (``how``: ``rule`` or ``pinned``): reported once and
     kept with the choices (a run's ``dispatch.json``; :func:`adopt` pins it again)."""
-    key = f"{name}|cpu|{_dtype_name(dtype)}|{shape}"
-    _remember(Choice(name, choice, "cpu", _dtype_name(dtype), shape, how), key, "cpu")
+    key = f"{name}|cpu|{dtype_name(dtype)}|{shape}"
+    _remember(Choice(name, choice, "cpu", dtype_name(dtype), shape, how), key, "cpu")
 
 
 def choices() -> dict[str, dict[str, Any]]:
@@ -422,7 +422,7 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -438,7 +438,7 @@ def cache_key(op: str, device: str, dtype: torch.dtype, shape: ShapeClass) -> st
         timed = [*entry.implementations] if entry.reference_competes else \
             [n for n, i in entry.implementations.items() if i.fn is not entry.reference]
         op = f"{op} [{','.join(timed)}]"
-    return " | ".join((device, f"torch {torch.__version__}", op, _dtype_name(dtype),
+    return " | ".join((device, f"torch {torch.__version__}", op, dtype_name(dtype),
                        shape_text(shape)))
 
 
@@ -541,7 +541,7 @@ def check(op: Op, impl: Implementation, device: torch.device, dtype: torch.dtype
             worst = max(errors, key=errors.__getitem__)
             if not errors[worst] <= tolerance:  # NaN fails too
                 problem = (f"{worst} differs from the reference by {errors[worst]:.2e} "
-                           f"(tolerance {tolerance:.0e}, {_dtype_name(check_dtype)})")
+                           f"(tolerance {tolerance:.0e}, {dtype_name(check_dtype)})")
     except Exception as exc:  # any failure drops the candidate, with its reason
         problem = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     _checked[key] = problem
@@ -690,23 +690,23 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
                            f"here: {reason}")
         how = "override" if source == OVERRIDE_ENV_VAR else "pinned"
         if _memo.get(memo_key, None) is None or _memo[memo_key].implementation != impl.name:
-            _remember(Choice(op.name, impl.name, str(device), _dtype_name(dtype), shape_text(shape), how),
+            _remember(Choice(op.name, impl.name, str(device), dtype_name(dtype), shape_text(shape), how),
                       memo_key, device.type)
         return impl
     known = _memo.get(memo_key)
     if known is not None and known.how not in ("pinned", "override"):
         return op.implementations[known.implementation]
-    adopted = _adopted.get(_adopted_key(op.name, device.type, _dtype_name(dtype),
+    adopted = _adopted.get(_adopted_key(op.name, device.type, dtype_name(dtype),
                                         shape_text(shape)))
     if adopted is not None and op.implementations[adopted].supports(device, dtype, shape) is None:
-        _remember(Choice(op.name, adopted, str(device), _dtype_name(dtype), shape_text(shape),
+        _remember(Choice(op.name, adopted, str(device), dtype_name(dtype), shape_text(shape),
                          "adopted"), memo_key, device.type)
         return op.implementations[adopted]
     preferred = _preferred.get(op.name)
     if preferred is not None:
         impl = op.implementations[op.resolve(preferred, device.type, "prefer")]
         if impl.supports(device, dtype, shape) is None:
-            _remember(Choice(op.name, impl.name, str(device), _dtype_name(dtype),
+            _remember(Choice(op.name, impl.name, str(device), dtype_name(dtype),
                              shape_text(shape), "preferred"), memo_key, device.type)
             return impl
     disk_key = cache_key(op.name, device_name(device), dtype, shape)
@@ -714,7 +714,7 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
     if (isinstance(record, dict) and record.get("implementation") in op.implementations
             and op.implementations[record["implementation"]].supports(device, dtype, shape)
             is None):
-        choice = Choice(op.name, record["implementation"], str(device), _dtype_name(dtype),
+        choice = Choice(op.name, record["implementation"], str(device), dtype_name(dtype),
                         shape_text(shape), "cache", dict(record.get("times_ms", {})))
     else:
         # the caller must not see the measuring runs: identity hooks, innermost, shadow
@@ -724,7 +724,7 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
         with torch.autograd.graph.saved_tensors_hooks(_same, _same), _disable_current_modes():
             times = _auto(op, args, attrs, device, dtype, shape)
         winner = min(times, key=times.__getitem__)
-        choice = Choice(op.name, winner, str(device), _dtype_name(dtype), shape_text(shape), "auto",
+        choice = Choice(op.name, winner, str(device), dtype_name(dtype), shape_text(shape), "auto",
                         times)
         _write_cache(disk_key, {"implementation": winner, "times_ms": times})
     _remember(choice, memo_key, device.type)
@@ -734,6 +734,6 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
 __all__ = ["CACHE_FILE", "ENV_VARS", "OVERRIDE_ENV_VAR", "REPLACED_ENV_VARS", "SWITCHES", "TABLE",
            "Choice", "DispatchError", "Implementation", "Op", "Switch", "cache_key",
            "cache_path", "check", "check_replaced_env_vars", "choices", "choose", "counters",
-           "adopt", "apply_setting", "device_name", "get_op", "override", "parse_pins", "pin",
+           "adopt", "apply_setting", "device_name", "dtype_name", "get_op", "override", "parse_pins", "pin",
            "pinned", "pins", "prefer", "read_choices", "record_switch",
            "register_op", "register_switch", "reset", "set_reporter"]

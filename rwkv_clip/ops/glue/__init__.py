@@ -65,13 +65,9 @@ def _any_float(device: torch.device, dtype: torch.dtype, shape) -> str | None:
 def _cpu_float(device: torch.device, dtype: torch.dtype, shape) -> str | None:
     if device.type != "cpu":
         return f"needs CPU tensors, got {device}"
-    if dtype not in (torch.float32, torch.float64) or shape.get("params") != _dtype_name(dtype):
+    if dtype not in (torch.float32, torch.float64) or shape.get("params") != dispatch.dtype_name(dtype):
         return f"takes float32 / float64 inputs and parameters, not {dtype}"
     return None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _generator() -> torch.Generator:
@@ -152,8 +148,8 @@ def shift_lerp(x: Tensor, weight: Tensor, shift: Shift,
 
 # ------------------------------------------------------------------- head_norm_gate
 def _head_norm_gate_shape(y, weight, bias, gate, n_head: int, eps: float):
-    return {"H": int(n_head), "C": int(y.shape[-1]), "params": _dtype_name(weight.dtype),
-            "out": _dtype_name(gate.dtype)}
+    return {"H": int(n_head), "C": int(y.shape[-1]), "params": dispatch.dtype_name(weight.dtype),
+            "out": dispatch.dtype_name(gate.dtype)}
 
 
 def _head_norm_gate_check_inputs(device, dtype, attrs, shape):
