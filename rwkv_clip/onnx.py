@@ -1,12 +1,13 @@
-"""Serve an exported RWKV-CLIP with onnxruntime and numpy only (no torch).
+"""Serve an exported RWKV-CLIP with onnxruntime or OpenVINO and numpy only (no torch).
 
 :class:`OnnxCLIP` reads a folder written by ``python -m rwkv_clip.export ... --format onnx``
-and takes the model's inputs (:meth:`OnnxCLIP.preprocess` makes an image array); usage is
-in docs/export.md.
+(or ``python -m rwkv_clip.quantize``) and takes the model's inputs
+(:meth:`OnnxCLIP.preprocess` makes an image array); usage is in docs/export.md.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,42 @@ def _onnx_error(message: str) -> Exception:
     return CheckpointError(message)
 
 
-def _load_onnxruntime() -> Any:
+RUNTIMES = ("onnxruntime", "openvino")
+
+
+def _import_runtime(runtime: str) -> Any:
+    if runtime not in RUNTIMES:
+        raise _onnx_error(f"runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
     try:
-        import onnxruntime
+        return __import__(runtime)
     except ImportError:
-        raise _onnx_error("running ONNX encoders needs onnxruntime: pip install onnxruntime "
-                          "(or pip install 'rwkv-clip[onnx]')") from None
-    return onnxruntime
+        raise _onnx_error(f"running ONNX encoders with {runtime} needs it installed: pip "
+                          f"install {runtime} (or pip install 'rwkv-clip[onnx]')") from None
+
+
+def open_encoder(path: str | os.PathLike, runtime: str = "onnxruntime",
+                 threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
+    """One ``.onnx`` file of one input and one output as a function of numpy arrays, run by
+    ``runtime`` on the CPU with ``threads`` threads (default: the runtime's). OpenVINO
+    computes in float32 (its CPU plugin would otherwise pick bf16 where the CPU has it)."""
+    module = _import_runtime(runtime)
+    if not Path(path).is_file():
+        raise _onnx_error(f"{path} does not exist")
+    if runtime == "onnxruntime":
+        options = module.SessionOptions()
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        session = module.InferenceSession(str(path), options,
+                                          providers=["CPUExecutionProvider"])
+        name = session.get_inputs()[0].name
+        return lambda x: session.run(None, {name: x})[0]
+    config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"}
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = threads
+    compiled = module.Core().compile_model(str(path), "CPU", config)
+    request, output = compiled.create_infer_request(), compiled.output(0)
+    # a copy: the request reuses its output buffer on the next call
+    return lambda x: np.array(request.infer({0: x})[output], copy=True)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -41,11 +71,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 class OnnxCLIP:
     """The two exported encoders of a folder, with the model's ``encode_image`` /
     ``encode_text`` inputs and outputs as numpy arrays (float32 features of shape
-    (B, C); L2-normalised if the export was made with ``--normalize``)."""
+    (B, C); L2-normalised if the export was made with ``--normalize``), run by
+    ``runtime``: ``"onnxruntime"`` or ``"openvino"``."""
 
-    def __init__(self, folder: str | os.PathLike, providers: list[str] | None = None,
+    def __init__(self, folder: str | os.PathLike, runtime: str = "onnxruntime",
                  threads: int | None = None) -> None:
-        ort = _load_onnxruntime()
+        _import_runtime(runtime)
+        self.runtime = runtime
         self.folder = Path(folder)
         self.config = _read_json(self.folder / ONNX_CONFIG_FILE)
         self.preprocess_config = _read_json(self.folder / PREPROCESS_CONFIG_FILE)
@@ -55,19 +87,16 @@ class OnnxCLIP:
         self.logit_bias: float | None = self.config.get("logit_bias")
         self.image_size = int(self.config["image_input"]["shape"][2])
         self.context_length = int(self.config["text_input"]["shape"][1])
-        options = ort.SessionOptions()
-        if threads is not None:
-            options.intra_op_num_threads = threads
-        providers = providers or ["CPUExecutionProvider"]
+        self.quantization: str | None = self.config.get("quantization")
 
-        def session(name: str) -> Any:
+        def encoder(name: str) -> Callable[[np.ndarray], np.ndarray]:
             path = self.folder / self.config[name]
             if not path.is_file():
                 raise _onnx_error(f"{path} does not exist (named in {ONNX_CONFIG_FILE})")
-            return ort.InferenceSession(str(path), options, providers=providers)
+            return open_encoder(path, runtime, threads)
 
-        self.image_session = session("image_encoder")
-        self.text_session = session("text_encoder")
+        self._image = encoder("image_encoder")
+        self._text = encoder("text_encoder")
 
     def encode_image(self, image: np.ndarray) -> np.ndarray:
         """(B, 3, S, S) preprocessed images -> (B, C) float32 features."""
@@ -76,8 +105,7 @@ class OnnxCLIP:
         if image.ndim != 4 or image.shape[1:] != (3, size, size):
             raise _onnx_error(f"encode_image: expected images of shape (B, 3, {size}, {size}), "
                               f"got {image.shape}")
-        feed = {self.config["image_input"]["name"]: image.astype(np.float32, copy=False)}
-        return self.image_session.run(None, feed)[0]
+        return self._image(np.ascontiguousarray(image, dtype=np.float32))
 
     def encode_text(self, text: np.ndarray) -> np.ndarray:
         """(B, ctx_len) token ids -> (B, C) float32 features."""
@@ -88,8 +116,7 @@ class OnnxCLIP:
                               f"context_length={self.context_length})")
         if not np.issubdtype(text.dtype, np.integer):
             raise _onnx_error(f"encode_text: expected integer token ids, got {text.dtype}")
-        feed = {self.config["text_input"]["name"]: text.astype(np.int64, copy=False)}
-        return self.text_session.run(None, feed)[0]
+        return self._text(np.ascontiguousarray(text, dtype=np.int64))
 
     def preprocess(self, image: Any) -> np.ndarray:
         """A PIL image -> (3, S, S) float32: bicubic resize of the shorter side to S, centre
@@ -110,4 +137,4 @@ class OnnxCLIP:
         return ((array - mean) / std).transpose(2, 0, 1).copy()
 
 
-__all__ = ["OnnxCLIP"]
+__all__ = ["OnnxCLIP", "RUNTIMES", "open_encoder"]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import CheckpointError
-from .ops.dense import wkv6_bidirectional_dense
+from .ops.chunked_plain import wkv6_bidirectional_chunked_plain
 
 IMAGE_FILE = "image_encoder.onnx"
 TEXT_FILE = "text_encoder.onnx"
@@ -25,6 +25,59 @@ ONNX_CONFIG_FILE = "onnx_config.json"
 EXPORT_BATCH = 2  # the example batch traced; the batch dimension stays dynamic
 PROTOBUF_LIMIT = 1_800_000_000  # bytes of weights one .onnx file may hold (protobuf: 2 GiB)
 VERIFY_TOLERANCE = 1e-4  # max |onnxruntime - PyTorch| / max |PyTorch feature|
+
+
+def _move_matrix(sources: np.ndarray) -> torch.Tensor:
+    """(P, T) source token per part and token (-1: none) -> (P, T, T) 0/1 matrices with
+    ``out[p, t] = x[p, sources[p, t]]`` as one product (exact: one term per sum)."""
+    parts, T = sources.shape
+    matrix = np.zeros((parts, T, T), dtype=np.float32)
+    p, t = np.nonzero(sources >= 0)
+    matrix[p, t, sources[p, t]] = 1.0
+    return torch.from_numpy(matrix)
+
+
+def _shift_parts(x: torch.Tensor, sources: np.ndarray) -> torch.Tensor:
+    """x (B, T, heads, head_dim) with each head cut into P equal parts; part p of token t
+    taken from token ``sources[p, t]`` (zeros where -1): one batched product of 0/1
+    matrices, a few large operators instead of a slice and a copy per part."""
+    B, T, heads, hd = x.shape
+    parts = sources.shape[0]
+    xp = x.reshape(-1, T, heads, parts, hd // parts).permute(0, 3, 1, 2, 4)
+    moved = torch.matmul(_move_matrix(sources).to(x.dtype), xp.reshape(-1, parts, T,
+                                                                      heads * hd // parts))
+    moved = moved.reshape(-1, parts, T, heads, hd // parts).permute(0, 2, 3, 1, 4)
+    return moved.reshape(x.shape)
+
+
+def _source(index: np.ndarray, offset: int, size: int) -> np.ndarray:
+    """index - offset where that stays in [0, size), else -1 (out[i] = x[i - offset])."""
+    source = index - offset
+    return np.where((source >= 0) & (source < size), source, -1)
+
+
+def _q_shift(grid: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
+    """``rwkv_clip::q_shift``: quarters of each head from the left, right, up, down pixel."""
+    B, H, W, heads, hd = grid.shape
+    sign = -1 if adjoint else 1
+    if hd % 4:  # unequal quarters: slices and concatenations
+        return _q_shift_slices(grid, s, adjoint)
+    row, col = np.divmod(np.arange(H * W), W)
+    from_col = lambda off: np.where(_source(col, off, W) >= 0, row * W + col - off, -1)
+    from_row = lambda off: np.where(_source(row, off, H) >= 0, (row - off) * W + col, -1)
+    sources = np.stack((from_col(sign * s), from_col(-sign * s), from_row(sign * s),
+                        from_row(-sign * s)))
+    return _shift_parts(grid.reshape(-1, H * W, heads, hd), sources).reshape(grid.shape)
+
+
+def _sequence_shift(seq: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
+    """``rwkv_clip::sequence_shift``: first half of each head from t - s, second from t + s."""
+    T, hd = seq.shape[1], seq.shape[3]
+    sign = -1 if adjoint else 1
+    if hd % 2:
+        return _sequence_shift_slices(seq, s, adjoint)
+    t = np.arange(T)
+    return _shift_parts(seq, np.stack((_source(t, sign * s, T), _source(t, -sign * s, T))))
 
 
 def _shifted(x: torch.Tensor, dim: int, offset: int) -> torch.Tensor:
@@ -37,23 +90,26 @@ def _shifted(x: torch.Tensor, dim: int, offset: int) -> torch.Tensor:
     return torch.cat((x.narrow(dim, s, n - s), zeros), dim=dim)
 
 
-def _q_shift(grid: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
-    """``rwkv_clip::q_shift``: quarters of each head from the left, right, up, down pixel."""
+def _q_shift_slices(grid: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
     q, sign = grid.shape[4] // 4, -1 if adjoint else 1
     left, right, up, down = grid.split([q, q, q, grid.shape[4] - 3 * q], dim=4)
     return torch.cat((_shifted(left, 2, sign * s), _shifted(right, 2, -sign * s),
                       _shifted(up, 1, sign * s), _shifted(down, 1, -sign * s)), dim=4)
 
 
-def _sequence_shift(seq: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
-    """``rwkv_clip::sequence_shift``: first half of each head from t - s, second from t + s."""
+def _sequence_shift_slices(seq: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
     half, sign = seq.shape[3] // 2, -1 if adjoint else 1
     back, ahead = seq.split([half, seq.shape[3] - half], dim=3)
     return torch.cat((_shifted(back, 1, sign * s), _shifted(ahead, 1, -sign * s)), dim=3)
 
 
+def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # three operators; torch's decomposition picks between two formulas per element
+    return start + weight * (end - start)
+
+
 def _wkv(r, k, v, w, u, cuda_variant: str = "") -> torch.Tensor:
-    return wkv6_bidirectional_dense(r, k, v, w, u)
+    return wkv6_bidirectional_chunked_plain(r, k, v, w, u)
 
 
 def _onednn_linear(x, weight, bias, *rest) -> torch.Tensor:
@@ -62,7 +118,8 @@ def _onednn_linear(x, weight, bias, *rest) -> torch.Tensor:
 
 def export_decompositions() -> dict[Any, Callable]:
     """The package's operators as exportable PyTorch (``ExportedProgram.run_decompositions``):
-    the WKV by its dense fixed-length form :func:`rwkv_clip.ops.dense.wkv6_bidirectional_dense`,
+    the WKV by its chunked form in plain operators
+    (:func:`rwkv_clip.ops.chunked_plain.wkv6_bidirectional_chunked_plain`),
     the token shifts by slices and concatenations, the oneDNN linear by ``F.linear``."""
     from .ops import kernels as _wkv_ops  # noqa: F401 - registers rwkv_clip::wkv6_forward
     from .ops import products as _linear_ops  # noqa: F401 - registers rwkv_clip::onednn_linear
@@ -73,6 +130,7 @@ def export_decompositions() -> dict[Any, Callable]:
         torch.ops.rwkv_clip.q_shift.default: _q_shift,
         torch.ops.rwkv_clip.sequence_shift.default: _sequence_shift,
         torch.ops.rwkv_clip.onednn_linear.default: _onednn_linear,
+        torch.ops.aten.lerp.Tensor: _lerp,
     }
     if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # eager inference calls it directly
         table[torch.ops.mkldnn._linear_pointwise.default] = _onednn_linear
@@ -185,7 +243,7 @@ def export_onnx(model: Any, out_dir: str | os.PathLike, model_config: dict[str, 
             "text_input": {"name": "text", "shape": ["batch", ctx_len], "dtype": "int64"},
             "output": {"name": "features", "shape": ["batch", feature_width(model)],
                        "dtype": "float32"},
-            "normalize": bool(normalize), "wkv": "dense fixed-length (rwkv_clip.ops.dense)",
+            "normalize": bool(normalize), "wkv": "chunked, plain operators (rwkv_clip.ops.chunked_plain)",
             **logit_head(model)}
     written["onnx_config"] = write_json(out / ONNX_CONFIG_FILE, info)
     return written

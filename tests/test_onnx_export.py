@@ -1,4 +1,4 @@
-"""ONNX export: the dense WKV form against the reference scan, the exported encoders under
+"""ONNX export: the chunked WKV form in plain operators against the reference scan, the exported encoders under
 onnxruntime against PyTorch (random and trained weights, batch sizes not seen at export),
 the torch-free runtime wrapper, and one-line errors."""
 import json
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rwkv_clip.ops.dense import wkv6_bidirectional_dense
+from rwkv_clip.ops.chunked_plain import wkv6_bidirectional_chunked_plain
 from rwkv_clip.ops.reference import wkv6_bidirectional_reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,24 +26,27 @@ def _wkv_inputs(B, T, H, N, dtype, w_scale=1.0, seed=0):
     return r, k, v, w, u
 
 
-@pytest.mark.parametrize("B,T,H,N,w_scale", [(2, 1, 1, 4, 1.0), (2, 7, 2, 4, 1.0),
-                                             (1, 49, 2, 8, 3.0), (3, 77, 2, 16, 1.0)])
-def test_dense_wkv_equals_reference_in_float64(B, T, H, N, w_scale):
+@pytest.mark.parametrize("B,T,H,N,w_scale,chunk", [
+    (2, 1, 1, 4, 1.0, None), (2, 7, 2, 4, 1.0, None), (1, 16, 2, 4, 1.0, None),
+    (1, 49, 2, 8, 3.0, None), (3, 77, 2, 16, 1.0, None), (1, 33, 1, 4, 2.0, 4),
+    (2, 50, 2, 8, 1.0, 8)])
+def test_chunked_wkv_equals_reference_in_float64(B, T, H, N, w_scale, chunk):
+    """One chunk, whole chunks, a padded last chunk, long scans (33 / 4: nine chunks)."""
     xs = _wkv_inputs(B, T, H, N, torch.float64, w_scale)
     ref = wkv6_bidirectional_reference(*xs)
-    dense = wkv6_bidirectional_dense(*xs)
-    assert dense.dtype == torch.float64
-    assert (dense - ref).abs().max() <= 1e-12 * ref.abs().max()
+    chunked = wkv6_bidirectional_chunked_plain(*xs, chunk=chunk)
+    assert chunked.dtype == torch.float64 and chunked.shape == ref.shape
+    assert (chunked - ref).abs().max() <= 1e-12 * ref.abs().max()
 
 
-def test_dense_wkv_float32_keeps_weak_decays_after_strong_ones():
-    """exp(w) up to e^8: large cumulative sums whose float32 differences would lose the
-    weak decays; the float64 cumulative sum keeps the error at float32 rounding."""
+def test_chunked_wkv_float32_keeps_weak_decays_after_strong_ones():
+    """exp(w) up to e^8: the exponents are sums of only the decays between two tokens (no
+    difference of large sums), so weak decays after strong ones keep float32 rounding."""
     xs = _wkv_inputs(1, 49, 2, 8, torch.float64, w_scale=3.0, seed=1)
     ref = wkv6_bidirectional_reference(*xs)
-    dense = wkv6_bidirectional_dense(*(x.float() for x in xs))
-    assert dense.dtype == torch.float32
-    assert ((dense.double() - ref).abs().max() / ref.abs().max()).item() < 2e-6
+    chunked = wkv6_bidirectional_chunked_plain(*(x.float() for x in xs))
+    assert chunked.dtype == torch.float32
+    assert ((chunked.double() - ref).abs().max() / ref.abs().max()).item() < 2e-6
 
 
 def test_shift_decompositions_equal_the_operators():
@@ -51,10 +54,17 @@ def test_shift_decompositions_equal_the_operators():
     from rwkv_clip.onnx_export import _sequence_shift as sequence_shift_export
     from rwkv_clip.ops.shift import _q_shift_grid, _sequence_shift
 
-    grid, seq = torch.randn(2, 3, 5, 2, 8), torch.randn(2, 7, 3, 8)
-    for adjoint in (False, True):
-        assert torch.equal(_q_shift(grid, 1, adjoint), _q_shift_grid(grid, 1, adjoint))
-        assert torch.equal(sequence_shift_export(seq, 1, adjoint), _sequence_shift(seq, 1, adjoint))
+    # head sizes that split evenly (one product of 0/1 matrices) and ones that do not
+    # (slices), shifts of 1 and 2
+    for shape, s in (((2, 3, 5, 2, 8), 1), ((2, 4, 4, 3, 8), 2), ((1, 3, 5, 2, 6), 1)):
+        grid = torch.randn(*shape)
+        for adjoint in (False, True):
+            assert torch.equal(_q_shift(grid, s, adjoint), _q_shift_grid(grid, s, adjoint))
+    for shape, s in (((2, 7, 3, 8), 1), ((2, 7, 3, 5), 2), ((1, 9, 2, 4), 3)):
+        seq = torch.randn(*shape)
+        for adjoint in (False, True):
+            assert torch.equal(sequence_shift_export(seq, s, adjoint),
+                               _sequence_shift(seq, s, adjoint))
 
 
 # ----------------------------------------------------------------------- exported files
@@ -223,18 +233,28 @@ def test_runtime_wrapper_rejects_wrong_shapes(random_export):
         clip.encode_text(np.zeros((1, 24), np.int64))
 
 
-def test_runtime_wrapper_without_onnxruntime_is_one_error(tmp_path):
-    code = ("import sys; sys.modules['onnxruntime'] = None\n"
+@pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
+def test_runtime_wrapper_without_its_runtime_is_one_error(tmp_path, runtime):
+    code = (f"import sys; sys.modules[{runtime!r}] = None\n"
             "from rwkv_clip.errors import RWKVCLIPError\n"
             "from rwkv_clip.onnx import OnnxCLIP\n"
-            "try:\n    OnnxCLIP(sys.argv[1])\n"
+            f"try:\n    OnnxCLIP(sys.argv[1], runtime={runtime!r})\n"
             "except RWKVCLIPError as exc:\n    print('error:', exc)\n")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines() == [
-        "error: running ONNX encoders needs onnxruntime: pip install onnxruntime "
-        "(or pip install 'rwkv-clip[onnx]')"]
+        f"error: running ONNX encoders with {runtime} needs it installed: pip install "
+        f"{runtime} (or pip install 'rwkv-clip[onnx]')"]
+
+
+def test_unknown_runtime_is_one_error(tmp_path):
+    from rwkv_clip.errors import RWKVCLIPError
+    from rwkv_clip.onnx import OnnxCLIP
+
+    with pytest.raises(RWKVCLIPError, match="runtime 'tensorrt': expected one of "
+                                            "onnxruntime, openvino"):
+        OnnxCLIP(tmp_path, runtime="tensorrt")
 
 
 def test_missing_folder_is_one_error(tmp_path):

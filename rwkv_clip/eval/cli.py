@@ -74,6 +74,12 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
                         "config, else the shipped config whose model fits the checkpoint's "
                         "parameter shapes (with the architecture flags applied), else "
                         "RWKV_CLIP_small without weights. Architecture flags override it.")
+    g.add_argument("--onnx", default=None, metavar="DIR",
+                   help="evaluate the encoders of an ONNX folder (python -m rwkv_clip.export "
+                        "--format onnx, or its python -m rwkv_clip.quantize INT8 copy) instead "
+                        "of PyTorch weights, by the same protocol; one process, CPU")
+    g.add_argument("--onnx-runtime", default="onnxruntime", choices=("onnxruntime", "openvino"),
+                   help="what runs --onnx encoders")
     g.add_argument("--model-name", default=None,
                    help="model name written to the JSON 'model' field (default: config name)")
     g.add_argument("--wkv-backend", default=None, choices=("auto", "cuda", "cpu", "reference"),
@@ -217,6 +223,14 @@ def parse_options(argv: Sequence[str] | None = None, retrieval: bool = False
             and str(opts.model_weight) != str(opts.pretrained)):
         raise EvalError(f"--model-weight {opts.model_weight} and --pretrained "
                         f"{opts.pretrained} name different weights: give one")
+    if opts.onnx:
+        given = [flag for flag, value in (("--model-weight", opts.model_weight),
+                                          ("--pretrained", opts.pretrained),
+                                          ("--config", opts.config),
+                                          ("--torchcompile", opts.torchcompile),
+                                          ("--amp", opts.amp)) if value]
+        if given:
+            raise EvalError(f"--onnx {opts.onnx} is the model: drop {', '.join(given)}")
     if not retrieval and not 0.0 < opts.val_proportion < 1.0:
         raise EvalError(f"--val-proportion must lie in (0, 1), got {opts.val_proportion}")
     if not retrieval and (opts.fewshot_k == 0 or opts.fewshot_k < -1):

@@ -72,6 +72,8 @@ def build_eval_model(opts, device: torch.device, info: DistInfo) -> tuple[Any, A
     every architecture flag but ``--input-size`` (its default 224), so with their B/32
     checkpoint they resolve to exactly RWKV_CLIP_B32.
     """
+    if getattr(opts, "onnx", None):
+        return onnx_eval_model(opts, device, info)
     weights_spec = opts.model_weight or opts.pretrained or None
     weights = load_weights(weights_spec) if weights_spec else None
     args, name = choose_model_args(opts.config, weights, _arch_overrides(opts),
@@ -87,6 +89,19 @@ def build_eval_model(opts, device: torch.device, info: DistInfo) -> tuple[Any, A
     model_name = opts.model_name or name
     pretrained = weights.label if weights else f"none (random init, seed {opts.seed})"
     return model, args, model_name, pretrained
+
+
+def onnx_eval_model(opts, device: torch.device, info: DistInfo) -> tuple[Any, Any, str, str]:
+    """:func:`build_eval_model` for ``--onnx DIR``: the exported encoders on the CPU."""
+    from .onnx_model import OnnxModel
+
+    if device.type != "cpu" or info.distributed:
+        raise EvalError(f"--onnx runs in one process on the CPU (got {device}, "
+                        f"{info.world_size} process(es)): add --device cpu, no torchrun")
+    model = OnnxModel(opts.onnx, runtime=opts.onnx_runtime)
+    args = SimpleNamespace(input_size=model.image_size, ctx_len=model.context_length)
+    name = opts.model_name or Path(opts.onnx).name
+    return model, args, name, model.describe()
 
 
 # ------------------------------------------------------------------ datasets
