@@ -37,10 +37,13 @@ def _import_runtime(runtime: str) -> Any:
 
 
 def open_encoder(path: str | os.PathLike, runtime: str = "onnxruntime",
-                 threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
+                 threads: int | None = None, spin: bool = True
+                 ) -> Callable[[np.ndarray], np.ndarray]:
     """One ``.onnx`` file of one input and one output as a function of numpy arrays, run by
     ``runtime`` on the CPU with ``threads`` threads (default: the runtime's). OpenVINO
-    computes in float32 (its CPU plugin would otherwise pick bf16 where the CPU has it)."""
+    computes in float32 (its CPU plugin would otherwise pick bf16 where the CPU has it).
+    ``spin=False`` stops onnxruntime's idle threads from spinning between calls (for
+    timing two sessions in turn: a spinning idle pool takes cores from the other)."""
     module = _import_runtime(runtime)
     if not Path(path).is_file():
         raise _onnx_error(f"{path} does not exist")
@@ -48,6 +51,8 @@ def open_encoder(path: str | os.PathLike, runtime: str = "onnxruntime",
         options = module.SessionOptions()
         if threads is not None:
             options.intra_op_num_threads = threads
+        if not spin:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = module.InferenceSession(str(path), options,
                                           providers=["CPUExecutionProvider"])
         name = session.get_inputs()[0].name

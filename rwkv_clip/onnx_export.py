@@ -103,6 +103,11 @@ def _sequence_shift_slices(seq: torch.Tensor, s: int, adjoint: bool) -> torch.Te
     return torch.cat((_shifted(back, 1, sign * s), _shifted(ahead, 1, -sign * s)), dim=3)
 
 
+def _square(x: torch.Tensor) -> torch.Tensor:
+    # the squared ReLU's square as one multiplication (onnxruntime's Pow is slower)
+    return x * x
+
+
 def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # three operators; torch's decomposition picks between two formulas per element
     return start + weight * (end - start)
@@ -131,6 +136,7 @@ def export_decompositions() -> dict[Any, Callable]:
         torch.ops.rwkv_clip.sequence_shift.default: _sequence_shift,
         torch.ops.rwkv_clip.onednn_linear.default: _onednn_linear,
         torch.ops.aten.lerp.Tensor: _lerp,
+        torch.ops.aten.square.default: _square,
     }
     if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # eager inference calls it directly
         table[torch.ops.mkldnn._linear_pointwise.default] = _onednn_linear

@@ -34,6 +34,21 @@ def weight_products(path: Path) -> list[str]:
             if node.op_type in ("MatMul", "Gemm") and ranks.get(node.input[1]) == 2]
 
 
+def quantize_encoder(src: Path, dst: Path) -> Path:
+    """One ``.onnx`` encoder -> its INT8 copy at ``dst`` (written whole, then renamed)."""
+    try:
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+    except ImportError:
+        raise CheckpointError("quantising needs onnxruntime: pip install onnxruntime "
+                              "(or pip install 'rwkv-clip[onnx]')") from None
+    tmp = dst.with_name(dst.name + ".tmp")
+    quantize_dynamic(src, tmp, weight_type=QuantType.QInt8, per_channel=True,
+                     nodes_to_quantize=weight_products(src))
+    tmp.chmod(0o644)
+    tmp.replace(dst)
+    return dst
+
+
 def quantize_folder(src: str | Path, dst: str | Path) -> dict[str, Path]:
     """Quantise the encoders of the ONNX folder ``src`` into ``dst`` (configs copied,
     ``onnx_config.json`` naming the quantisation); returns the written paths by name."""
@@ -41,11 +56,6 @@ def quantize_folder(src: str | Path, dst: str | Path) -> dict[str, Path]:
     from .json_files import read_json_object
     from .onnx import ONNX_CONFIG_FILE
 
-    try:
-        from onnxruntime.quantization import QuantType, quantize_dynamic
-    except ImportError:
-        raise CheckpointError("quantising needs onnxruntime: pip install onnxruntime "
-                              "(or pip install 'rwkv-clip[onnx]')") from None
     src, dst = Path(src), Path(dst)
     config = read_json_object(src / ONNX_CONFIG_FILE, missing_hint="expected a folder "
                               "written by python -m rwkv_clip.export CHECKPOINT --format onnx")
@@ -59,13 +69,7 @@ def quantize_folder(src: str | Path, dst: str | Path) -> dict[str, Path]:
         model = src / config[name]
         if not model.is_file():
             raise CheckpointError(f"{model} does not exist (named in {ONNX_CONFIG_FILE})")
-        out = dst / config[name]
-        tmp = out.with_name(out.name + ".tmp")
-        quantize_dynamic(model, tmp, weight_type=QuantType.QInt8, per_channel=True,
-                         nodes_to_quantize=weight_products(model))
-        tmp.chmod(0o644)
-        tmp.replace(out)
-        written[name] = out
+        written[name] = quantize_encoder(model, dst / config[name])
     for other in src.glob("*.json"):
         if other.name != ONNX_CONFIG_FILE:
             written[other.stem] = Path(shutil.copyfile(other, dst / other.name))
@@ -115,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(run, prog="python -m rwkv_clip.quantize")
 
 
-__all__ = ["QUANTIZATION", "quantize_folder", "feature_agreement", "weight_products"]
+__all__ = ["QUANTIZATION", "quantize_encoder", "quantize_folder", "feature_agreement", "weight_products"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,24 +15,24 @@ from torch import Tensor
 CHUNK = 16  # tokens per chunk: the (L, L, N) tile of weights stays small
 
 
-def _between_sums(L: int) -> Tensor:
-    """The 0/1 matrix (L*L + 2L, L) whose product with per-token log-decays d (L, N) gives,
-    as sums of only the terms involved (no difference of large sums, so weak decays after
+def _decay_exponents(L: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Matrices of 0 and -1 whose products with per-token log-decays d (L, M) give minus
+    sums of only the terms involved (no difference of large sums, so weak decays after
     strong ones keep their digits):
 
-    rows t*L + s: the sum of d[q] for min(s, t) < q < max(s, t), the exponent of the decay
-    from s to t within the chunk (0 on the diagonal and for neighbours);
-    rows L*L + t: the sum of d[q] for q < t, the decay from the chunk start to t;
-    rows L*L + L + t: the sum of d[q] for q > t, the decay from t to the chunk end.
+    pair (L*L, L), row t*L + s: minus the sum of d[q] for min(s, t) < q < max(s, t), the
+    exponent of the decay from s to t within the chunk (0 on the diagonal and for
+    neighbours); start (L, L), row t: minus the sum for q < t, the decay from the chunk's
+    start to t; end (L, L), row t: minus the sum for q > t, from t to the chunk's end.
 
     Made afresh on each call (a cached tensor would outlive the fake tensors of a trace).
     """
     q = torch.arange(L)
     t, s = q.view(L, 1, 1), q.view(1, L, 1)
     pair = (torch.minimum(s, t) < q) & (q < torch.maximum(s, t))
-    before = q.view(1, L) < q.view(L, 1)
-    after = q.view(1, L) > q.view(L, 1)
-    return torch.cat((pair.reshape(L * L, L), before, after)).to(torch.float64)
+    start, end = q.view(1, L) < q.view(L, 1), q.view(1, L) > q.view(L, 1)
+    return (-pair.reshape(L * L, L).to(torch.float64), -start.to(torch.float64),
+            -end.to(torch.float64))
 
 
 def wkv6_bidirectional_chunked_plain(r: Tensor, k: Tensor, v: Tensor, w: Tensor, u: Tensor,
@@ -46,10 +46,14 @@ def wkv6_bidirectional_chunked_plain(r: Tensor, k: Tensor, v: Tensor, w: Tensor,
     diagonal, the product of the per-step decays ``exp(-d[q])``, ``d = exp(w)``, over the
     steps strictly between s and t. Time is cut into chunks of L tokens (the last one
     padded with zeros, which add nothing). Within a chunk the (L, L) weights are formed
-    per channel, exactly, from sums of d (:func:`_between_sums`). Across chunks two states
-    of (N, N) per head carry the sums of ``k v^T``: forward for the earlier chunks, backward
-    for the later ones, each step decayed by the chunk's total. Every exponent is a sum of
-    d, never positive once negated, so nothing overflows however strong the decay.
+    per channel, exactly, from sums of d (:func:`_decay_exponents`). Across chunks two
+    states of (N, N) per head carry the sums of ``k v^T``: forward for the earlier chunks,
+    backward for the later ones, each step decayed by the chunk's total. Every exponent is
+    a sum of d, never positive once negated, so nothing overflows however strong the decay.
+
+    Inside, a chunk position leads, then all (batch, chunk, head) groups G, then the
+    channel: the exponents of every group are one matrix product, and the broadcasts over
+    positions run along long contiguous rows.
     """
     B, T, C = r.shape
     H, N = u.shape
@@ -60,33 +64,47 @@ def wkv6_bidirectional_chunked_plain(r: Tensor, k: Tensor, v: Tensor, w: Tensor,
     n = math.ceil(T / L)
     pad = n * L - T
 
-    def chunks(x: Tensor) -> Tensor:  # (B, T, C) -> (B, H, n, L, N), zeros past T
+    def positions_first(x: Tensor) -> Tensor:  # (B, T, C) -> (L, B, n, H, N), zeros past T
         x = torch.nn.functional.pad(x.to(dtype), (0, 0, 0, pad)) if pad else x.to(dtype)
-        return x.reshape(-1, n, L, H, N).permute(0, 3, 1, 2, 4)
+        return x.reshape(-1, n, L, H, N).permute(2, 0, 1, 3, 4)
 
-    r_, k_, v_ = chunks(r), chunks(k), chunks(v)
-    d = chunks(torch.exp(w.to(dtype)))  # padded steps: d = 0, no decay, and k = v = 0
-    decays = torch.exp(-torch.matmul(_between_sums(L).to(dtype=dtype, device=r.device), d))
-    within = decays[..., :L * L, :].reshape(-1, H, n, L, L, N)
-    from_start = decays[..., L * L:L * L + L, :]  # (B, H, n, L, N)
-    to_end = decays[..., L * L + L:, :]
+    r_, k_, v_ = positions_first(r), positions_first(k), positions_first(v)
+    d = positions_first(torch.exp(w.to(dtype)))  # padded steps: d = 0, and k = v = 0
+    batch = r_.shape[1]
+    pair, start, end = (m.to(dtype=dtype, device=r.device) for m in _decay_exponents(L))
+    d = d.reshape(L, -1)  # (L, G * N)
+    within = torch.exp(torch.matmul(pair, d)).reshape(L, L, -1, N)  # (L_t, L_s, G, N)
+    from_start = torch.exp(torch.matmul(start, d)).reshape(L, -1, N)  # (L, G, N)
+    to_end = torch.exp(torch.matmul(end, d)).reshape(L, -1, N)
 
     # within each chunk: scores[t, s] = sum_j r[t, j] A[t, s, j] k[s, j], the diagonal
     # with u in place of A's exp(0) = 1
-    scores = (r_.unsqueeze(4) * within * k_.unsqueeze(3)).sum(dim=-1)  # (B, H, n, L, L)
-    bonus = (r_ * (u.to(dtype).view(1, H, 1, 1, N) - 1) * k_).sum(dim=-1)  # (B, H, n, L)
-    scores = scores + bonus.unsqueeze(-1) * torch.eye(L, dtype=dtype, device=r.device)
-    y = torch.matmul(scores, v_)
-    if n == 1:
-        return _tokens(y, T)
+    rg, kg = r_.reshape(L, -1, N), k_.reshape(L, -1, N)  # (L, G, N)
+    scores = (rg.unsqueeze(1) * within * kg.unsqueeze(0)).sum(dim=-1)  # (L_t, L_s, G)
+    bonus = (r_ * (u.to(dtype) - 1) * k_).sum(dim=-1).reshape(L, 1, -1)  # (L_t, 1, G)
+    scores = scores + torch.eye(L, dtype=dtype, device=r.device).unsqueeze(-1) * bonus
+    vg = v_.reshape(L, -1, N).transpose(0, 1)  # (G, L, N)
+    y = torch.matmul(scores.permute(2, 0, 1), vg)  # (G, L, N)
+    if n > 1:
+        y = y + _across_chunks(rg, kg, vg, from_start, to_end, d, batch, n, H, N)
+    y = y.reshape(batch, n, H, L, N).permute(0, 1, 3, 2, 4).reshape(-1, n * L, C)
+    return y[:, :T].contiguous() if pad else y
 
-    # across chunks: per chunk the (N, N) sum of k v^T, each k decayed to the chunk's end
-    # (for the later chunks) or to its start (for the earlier ones); a scan over the
-    # chunks, each step decaying the state by a whole chunk, hands each chunk the sums of
-    # the chunks before it and after it
-    total = torch.exp(-d.sum(dim=3)).unsqueeze(-1).split(1, dim=2)  # n x (B, H, 1, N, 1)
-    kv_forward = torch.matmul((k_ * to_end).transpose(-1, -2), v_).split(1, dim=2)
-    kv_backward = torch.matmul((k_ * from_start).transpose(-1, -2), v_).split(1, dim=2)
+
+def _across_chunks(rg: Tensor, kg: Tensor, vg: Tensor, from_start: Tensor, to_end: Tensor,
+                   d: Tensor, batch: int, n: int, H: int, N: int) -> Tensor:
+    """What the other chunks add to each chunk's output, (G, L, N): per chunk the (N, N)
+    sum of k v^T, each k decayed to the chunk's end (for the later chunks) or its start
+    (for the earlier ones); a scan over the chunks, each step decaying the state by a
+    whole chunk, hands each chunk the sums of the chunks before and after it."""
+    L = rg.shape[0]
+
+    def per_chunk(x: Tensor) -> tuple[Tensor, ...]:  # (G, ...) -> n x (B, 1, H, ...)
+        return x.reshape(batch, n, H, *x.shape[1:]).split(1, dim=1)
+
+    total = per_chunk(torch.exp(-d.reshape(L, -1, N).sum(dim=0)).unsqueeze(-1))  # (G, N, 1)
+    kv_forward = per_chunk(torch.matmul((kg * to_end).permute(1, 2, 0), vg))  # (G, N, N)
+    kv_backward = per_chunk(torch.matmul((kg * from_start).permute(1, 2, 0), vg))
     zero = torch.zeros_like(kv_forward[0])
     forward, backward = [zero], [zero]
     for c in range(1, n):
@@ -95,16 +113,9 @@ def wkv6_bidirectional_chunked_plain(r: Tensor, k: Tensor, v: Tensor, w: Tensor,
         b = n - 1 - c
         backward.append(kv_backward[b + 1] if c == 1
                         else backward[-1] * total[b + 1] + kv_backward[b + 1])
-    states = torch.cat((torch.cat(forward, dim=2), torch.cat(backward[::-1], dim=2)), dim=3)
-    y = y + torch.matmul(torch.cat((r_ * from_start, r_ * to_end), dim=-1), states)
-    return _tokens(y, T)
-
-
-def _tokens(y: Tensor, T: int) -> Tensor:
-    """(B, H, n, L, N) -> (B, T, C): the chunks back in token order, the padding dropped."""
-    B, H, n, L, N = y.shape
-    y = y.permute(0, 2, 3, 1, 4).reshape(-1, n * L, H * N)
-    return y[:, :T].contiguous() if n * L > T else y
+    states = [torch.cat(s, dim=1).reshape(-1, N, N) for s in (forward, backward[::-1])]
+    return (torch.matmul((rg * from_start).transpose(0, 1), states[0])
+            + torch.matmul((rg * to_end).transpose(0, 1), states[1]))
 
 
 __all__ = ["CHUNK", "wkv6_bidirectional_chunked_plain"]
