@@ -27,6 +27,11 @@ PROTOBUF_LIMIT = 1_800_000_000  # bytes of weights one .onnx file may hold (prot
 VERIFY_TOLERANCE = 1e-4  # max |onnxruntime - PyTorch| / max |PyTorch feature|
 
 
+# up to this many tokens a shift is one product with (parts, T, T) 0/1 matrices (few large
+# operators); past it, whose matrices would grow as T^2, a pad and a slice per part
+MATRIX_SHIFT_TOKENS = 256
+
+
 def _move_matrix(sources: np.ndarray) -> torch.Tensor:
     """(P, T) source token per part and token (-1: none) -> (P, T, T) 0/1 matrices with
     ``out[p, t] = x[p, sources[p, t]]`` as one product (exact: one term per sum)."""
@@ -60,7 +65,7 @@ def _q_shift(grid: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
     """``rwkv_clip::q_shift``: quarters of each head from the left, right, up, down pixel."""
     B, H, W, heads, hd = grid.shape
     sign = -1 if adjoint else 1
-    if hd % 4:  # unequal quarters: slices and concatenations
+    if hd % 4 or H * W > MATRIX_SHIFT_TOKENS:  # slices and concatenations
         return _q_shift_slices(grid, s, adjoint)
     row, col = np.divmod(np.arange(H * W), W)
     from_col = lambda off: np.where(_source(col, off, W) >= 0, row * W + col - off, -1)
@@ -74,7 +79,7 @@ def _sequence_shift(seq: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
     """``rwkv_clip::sequence_shift``: first half of each head from t - s, second from t + s."""
     T, hd = seq.shape[1], seq.shape[3]
     sign = -1 if adjoint else 1
-    if hd % 2:
+    if hd % 2 or T > MATRIX_SHIFT_TOKENS:
         return _sequence_shift_slices(seq, s, adjoint)
     t = np.arange(T)
     return _shift_parts(seq, np.stack((_source(t, sign * s, T), _source(t, -sign * s, T))))
@@ -82,12 +87,10 @@ def _sequence_shift(seq: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:
 
 def _shifted(x: torch.Tensor, dim: int, offset: int) -> torch.Tensor:
     """x moved by ``offset`` along ``dim`` (out[i] = x[i - offset]), zeros where it has no
-    source: the functional form of the shifts' slice copies."""
+    source: a pad and a slice."""
     n, s = x.shape[dim], abs(offset)
-    zeros = torch.zeros_like(x.narrow(dim, 0, s))
-    if offset > 0:
-        return torch.cat((zeros, x.narrow(dim, 0, n - s)), dim=dim)
-    return torch.cat((x.narrow(dim, s, n - s), zeros), dim=dim)
+    pad = [0, 0] * (x.dim() - dim - 1) + ([s, 0] if offset > 0 else [0, s])
+    return F.pad(x, pad).narrow(dim, 0 if offset > 0 else s, n)
 
 
 def _q_shift_slices(grid: torch.Tensor, s: int, adjoint: bool) -> torch.Tensor:

@@ -8,6 +8,7 @@ time), > 1: ours is faster. Exports are kept in --work and reused.
 
     python scripts/bench_serving.py --pairs b32 --out docs/results/serving_b32.json
     python scripts/bench_serving.py --pairs b16-896 --towers image --batch-sizes 1 --precisions fp32
+    python scripts/bench_serving.py --pairs b32 --accuracy runs/default/checkpoints/epoch_latest.pt
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--work", default="runs/bench_serving", help="where the exports are kept")
+    ap.add_argument("--accuracy", metavar="CHECKPOINT",
+                    help="also export CHECKPOINT, quantise it and record zero-shot top-1 on "
+                         "the built-in held-out and shifted splits, float32 against INT8")
     ap.add_argument("--out", help="also write the JSON to this file")
     ns = ap.parse_args(argv)
     pairs = parse_list(ns.pairs, str, list(PAIRS), "--pairs")
@@ -50,7 +54,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from rwkv_clip.bench.serving import Case, exported, format_row, run_case
+    from rwkv_clip.bench.serving import Case, accuracy, exported, format_row, run_case
     from rwkv_clip.bench.versus import machine
 
     versions = {}
@@ -82,6 +86,9 @@ def main(argv=None) -> int:
                                        ns.threads, ns.warmup, ns.repeats)
                         print(format_row(row), file=sys.stderr, flush=True)
                         result["cases"].append(row)
+    if ns.accuracy:
+        result["accuracy"] = accuracy(ns.accuracy, Path(ns.work), runtimes)
+        print(json.dumps(result["accuracy"]), file=sys.stderr, flush=True)
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = json.dumps(result)
     if ns.out:

@@ -140,6 +140,16 @@ COMMANDS: dict[str, str] = {
     # benchmarks (minutes each on B/32): their flags
     "python scripts/bench_infer.py --repeats 5 --modes eager --precisions fp32,bf16 "
     "--breakdown": "help",
+    # serving (tests/test_onnx_serving.py runs a small case; test_docs_tables.py holds the
+    # page's table equal to the JSON)
+    "python scripts/bench_serving.py --pairs b32 --repeats 6 --out docs/results/serving_b32.json":
+        "help",
+    "python scripts/bench_serving.py --pairs b16,b16-448,b16-896 --towers image --batch-sizes 1 "
+    "--repeats 3 --out docs/results/serving_b16.json": "help",
+    "python scripts/bench_serving.py --pairs b32 --towers text --runtimes onnxruntime,openvino "
+    "--precisions fp32 --batch-sizes 1 --repeats 1 --warmup 0 --accuracy "
+    "runs/default/checkpoints/epoch_latest.pt --out docs/results/serving_int8_accuracy.json":
+        "help",
     "python scripts/bench_train.py --versus --repeats 5 --modes eager --batch-sizes 4,16 "
     "--precisions fp32,bf16 --breakdown": "help",
     "python scripts/bench_resolution.py --precisions fp32,bf16 --threads 2 "
@@ -174,6 +184,8 @@ COMMANDS: dict[str, str] = {
     "python -m rwkv_clip.export runs/default/checkpoints/epoch_latest.pt --format onnx --output "
     "exported/onnx": "help",
     "python scripts/bench_onnx.py --config RWKV_CLIP_tiny --repeats 3": "help",
+    "python -m rwkv_clip.quantize exported/onnx --output exported/onnx-int8": "help",
+    "python zero_shot.py --onnx exported/onnx-int8 --dataset builtin,builtin_shifted": "help",
 
     # docs/losses.md: tests/test_train_siglip.py and test_train_captions.py train with these
     "python train.py --siglip": "help",

@@ -119,3 +119,26 @@ def test_lora_page_fine_tunes_on_named_data():
     on the built-in set."""
     commands = [c for c in _commands(_page("lora.md")) if c.startswith("python train.py")]
     assert commands and all("--train-data" in shlex.split(c) for c in commands), commands
+
+
+def test_serving_table_is_the_committed_json():
+    """docs/performance.md's serving rows: every case of the JSON files its commands write,
+    with the figures and the verdict (bold only where the whole range lies above 1)."""
+    text = _page("performance.md")
+    header, rows = _table(text, "| pair, encoder |")
+    assert header[:4] == ["pair, encoder", "runtime", "precision", "batch"]
+    shown = {(r[0], r[1], r[2], r[3]): r for r in rows}
+    names = {"b32": "B/32 vs ViT-B-32, 224 px", "b16": "B/16 vs ViT-B-16, 224 px",
+             "b16-448": "B/16 vs ViT-B-16, 448 px", "b16-896": "B/16 vs ViT-B-16, 896 px"}
+    outs = [REPO / shlex.split(c)[shlex.split(c).index("--out") + 1]
+            for c in _commands(text) if "bench_serving.py" in c and "--accuracy" not in c]
+    cases = [(out, case) for out in outs for case in json.loads(out.read_text())["cases"]]
+    assert len(cases) == len(rows)
+    for out, c in cases:
+        row = shown[(f"{names[c['pair']]}, {c['tower']}", c["runtime"], c["precision"],
+                     str(c["batch"]))]
+        low, high = c["ratio_range"]
+        ratio = f"{c['ratio']:.2f}x"
+        assert row[4:7] == [f"{c['ours_ms']:.1f}", f"{c['theirs_ms']:.1f}",
+                            f"{f'**{ratio}**' if low > 1 else ratio} ({low:.2f}-{high:.2f})"]
+        assert row[7] == f"[{out.name}](results/{out.name})"

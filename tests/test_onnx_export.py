@@ -39,6 +39,16 @@ def test_chunked_wkv_equals_reference_in_float64(B, T, H, N, w_scale, chunk):
     assert (chunked - ref).abs().max() <= 1e-12 * ref.abs().max()
 
 
+def test_chunk_length_keeps_the_scan_short():
+    from rwkv_clip.ops.chunked_plain import CHUNK, MAX_CHUNKS, chunk_length
+
+    assert chunk_length(5) == 5 and chunk_length(49) == CHUNK == 8
+    assert chunk_length(3136) == 16  # B/16 at 896 px: 196 chunks
+    for T in (1, 7, 49, 77, 784, 1601, 3136, 12544):
+        L = chunk_length(T)
+        assert -(-T // L) <= MAX_CHUNKS and (L <= CHUNK or -(-T // (L // 2)) > MAX_CHUNKS)
+
+
 def test_chunked_wkv_float32_keeps_weak_decays_after_strong_ones():
     """exp(w) up to e^8: the exponents are sums of only the decays between two tokens (no
     difference of large sums), so weak decays after strong ones keep float32 rounding."""
@@ -49,7 +59,13 @@ def test_chunked_wkv_float32_keeps_weak_decays_after_strong_ones():
     assert ((chunked.double() - ref).abs().max() / ref.abs().max()).item() < 2e-6
 
 
-def test_shift_decompositions_equal_the_operators():
+@pytest.mark.parametrize("matrix_tokens", [256, 0])
+def test_shift_decompositions_equal_the_operators(monkeypatch, matrix_tokens):
+    """Both export forms of the shifts (0/1 products up to MATRIX_SHIFT_TOKENS tokens, pads
+    and slices past it) equal the operators exactly."""
+    import rwkv_clip.onnx_export
+
+    monkeypatch.setattr(rwkv_clip.onnx_export, "MATRIX_SHIFT_TOKENS", matrix_tokens)
     from rwkv_clip.onnx_export import _q_shift
     from rwkv_clip.onnx_export import _sequence_shift as sequence_shift_export
     from rwkv_clip.ops.shift import _q_shift_grid, _sequence_shift
@@ -305,7 +321,7 @@ def test_docs_commands_run(trained_checkpoint, tmp_path):
     text = (REPO / "docs" / "export.md").read_text()
     commands = [line for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
                 for line in block.splitlines() if line.strip() and not line.startswith("#")]
-    assert len(commands) == 4
+    assert len(commands) == 6
     checkpoint = tmp_path / "runs" / "default" / "checkpoints" / "epoch_latest.pt"
     checkpoint.parent.mkdir(parents=True)
     checkpoint.write_bytes(trained_checkpoint.read_bytes())
@@ -326,6 +342,10 @@ def test_docs_commands_run(trained_checkpoint, tmp_path):
             low, high = result["image"]["onnxruntime_speedup_range"]
             assert low <= result["image"]["onnxruntime_speedup"] <= high
     assert (tmp_path / "exported" / "onnx" / "image_encoder.onnx").is_file()
+    int8 = json.loads((tmp_path / "exported" / "onnx-int8" / "onnx_config.json").read_text())
+    assert int8["quantization"].startswith("int8")
+    scores = tmp_path / "runs" / "onnx" / "onnx-int8" / "eval_results" / "zero_shot_scores.txt"
+    assert scores.is_file(), sorted(str(p) for p in (tmp_path / "runs").rglob("*"))
     card = (tmp_path / "exported" / "hub" / "README.md").read_text()
     assert "top-1 accuracy" in card  # the zero_shot.py result found in the run folder
 

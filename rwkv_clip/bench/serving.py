@@ -150,4 +150,43 @@ def format_row(row: dict[str, Any]) -> str:
             f"  {row['ratio']:.2f}x ({low:.2f}-{high:.2f})")
 
 
-__all__ = ["PAIRS", "TOWERS", "PRECISIONS", "Case", "exported", "run_case", "format_row"]
+
+
+def accuracy(checkpoint: str, work: Path, runtimes: list[str]) -> dict[str, Any]:
+    """Zero-shot top-1 of ``checkpoint`` on the built-in held-out and shifted splits, by
+    the evaluation protocol, for its float32 export and the INT8 copy in each runtime
+    (and PyTorch's for reference): what INT8 costs."""
+    from ..eval.onnx_model import OnnxModel
+    from ..eval.runner import builtin_folder
+    from ..eval.zeroshot import evaluate_imagefolder
+    from ..export import export_state_dict
+    from ..onnx_export import export_onnx_folder, model_from_state
+    from ..quantize import QUANTIZATION, quantize_folder
+
+    exported_weights = export_state_dict(checkpoint)
+    fp32_dir, int8_dir = work / "accuracy" / "onnx", work / "accuracy" / "onnx-int8"
+    export_onnx_folder(exported_weights.state, exported_weights.args, exported_weights.config,
+                       fp32_dir)
+    quantize_folder(fp32_dir, int8_dir)
+    splits = {"held_out": builtin_folder(False), "shifted": builtin_folder(True)}
+    size = exported_weights.args.input_size
+
+    def top1(model: Any) -> dict[str, float]:
+        return {name: round(100 * evaluate_imagefolder(model, folder, input_size=size,
+                                                       single_process=True)["acc1"], 2)
+                for name, folder in splits.items()}
+
+    result: dict[str, Any] = {"checkpoint": checkpoint, "quantization": QUANTIZATION,
+                              "pytorch_fp32": top1(model_from_state(exported_weights.state,
+                                                                    exported_weights.args))}
+    for runtime in runtimes:
+        for label, folder in (("fp32", fp32_dir), ("int8", int8_dir)):
+            result[f"{runtime}_{label}"] = top1(OnnxModel(folder, runtime=runtime))
+        result[f"{runtime}_int8_cost"] = {
+            k: round(result[f"{runtime}_fp32"][k] - result[f"{runtime}_int8"][k], 2)
+            for k in splits}
+    return result
+
+
+__all__ = ["PAIRS", "TOWERS", "PRECISIONS", "Case", "exported", "run_case", "format_row",
+           "accuracy"]

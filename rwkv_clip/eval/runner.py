@@ -162,8 +162,12 @@ def default_output_dir(opts) -> Path:
     """Beside the evaluated checkpoint's run: ``runs/X/checkpoints/Y.pt`` ->
     ``runs/X/eval_results``, other weights -> ``<their folder>/eval_results``; published
     weights by name (``NAME:TAG``, ``hf-hub:OWNER/REPO``) -> ``runs/pretrained/<name as
-    one folder>/eval_results``; a fresh model -> ``runs/zero_shot/eval_results``. Never
-    the current folder itself."""
+    one folder>/eval_results``; an ONNX folder (``--onnx DIR``) -> ``runs/onnx/<its
+    name>/eval_results``, keeping the served folder as exported; a fresh model ->
+    ``runs/zero_shot/eval_results``. Never the current folder itself."""
+    if getattr(opts, "onnx", None):
+        return (Path("runs") / "onnx" / name_as_folder(Path(opts.onnx).resolve().name)
+                / DEFAULT_OUTPUT_DIR)
     weight = opts.model_weight or opts.pretrained
     if not weight:
         return Path("runs") / "zero_shot" / DEFAULT_OUTPUT_DIR
