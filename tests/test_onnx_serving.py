@@ -144,7 +144,7 @@ def test_bench_serving_json(tmp_path):
     assert result["machine"]["cores"] >= 1 and result["threads"] == 1
     (case,) = result["cases"]
     assert case["pair"] == "b32" and case["tower"] == "text" and case["batch"] == 1
-    paired = [t / o for o, t in zip(case["ours_s"], case["theirs_s"])]
+    paired = [t / o for o, t in zip(case["ours_s"], case["theirs_s"], strict=True)]
     assert case["ratio_range"] == [round(min(paired), 3), round(max(paired), 3)]
     assert case["ours_ms"] > 0 and case["theirs_ms"] > 0
     bad = _run("scripts/bench_serving.py", "--pairs", "b64")

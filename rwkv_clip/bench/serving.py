@@ -89,10 +89,10 @@ def exported(work: Path, pair: str, seed: int = 0) -> dict[str, dict[str, Path]]
                     if not paths[side][tower].is_file():
                         export_module(_Tower(model, tower), _example(model, tower, pair, 2),
                                       tower, paths[side][tower])
-    for side in paths.values():
+    for files in paths.values():
         for tower in TOWERS:
-            int8 = side[tower].with_name(side[tower].stem + "_int8.onnx")
-            side[tower + "-int8"] = int8 if int8.is_file() else quantize_encoder(side[tower], int8)
+            int8 = files[tower].with_name(files[tower].stem + "_int8.onnx")
+            files[tower + "-int8"] = int8 if int8.is_file() else quantize_encoder(files[tower], int8)
     return paths
 
 
