@@ -144,7 +144,7 @@ COMMANDS: dict[str, str] = {
     # page's table equal to the JSON)
     "python scripts/bench_serving.py --pairs b32 --repeats 6 --out docs/results/serving_b32.json":
         "help",
-    "python scripts/bench_serving.py --pairs b16,b16-448,b16-896 --towers image --batch-sizes 1 "
+    "python scripts/bench_serving.py --pairs b16,b16-448 --towers image --batch-sizes 1 "
     "--repeats 3 --out docs/results/serving_b16.json": "help",
     "python scripts/bench_serving.py --pairs b32 --towers text --runtimes onnxruntime,openvino "
     "--precisions fp32 --batch-sizes 1 --repeats 1 --warmup 0 --accuracy "

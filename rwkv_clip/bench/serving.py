@@ -7,7 +7,9 @@ dynamic batch) with random weights, are quantised the same way for INT8
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,9 +167,10 @@ def accuracy(checkpoint: str, work: Path, runtimes: list[str]) -> dict[str, Any]
 
     exported_weights = export_state_dict(checkpoint)
     fp32_dir, int8_dir = work / "accuracy" / "onnx", work / "accuracy" / "onnx-int8"
-    export_onnx_folder(exported_weights.state, exported_weights.args, exported_weights.config,
-                       fp32_dir)
-    quantize_folder(fp32_dir, int8_dir)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the benchmark's JSON alone
+        export_onnx_folder(exported_weights.state, exported_weights.args,
+                           exported_weights.config, fp32_dir)
+        quantize_folder(fp32_dir, int8_dir)
     splits = {"held_out": builtin_folder(False), "shifted": builtin_folder(True)}
     size = exported_weights.args.input_size
 
