@@ -112,8 +112,9 @@ def _input(path: Path, tower: str, pair: str, batch: int, seed: int) -> np.ndarr
 
 def run_case(case: Case, paths: dict[str, dict[str, Path]], threads: int, warmup: int,
              repeats: int, seed: int = 0) -> dict[str, Any]:
-    """Time ours and theirs for one case (ABBA); medians, the paired ratio (their time /
-    ours: > 1 ours is faster) with its min-max."""
+    """Time ours (``rwkv_clip``) and theirs (``open_clip``) for one case, ABBA: each side's
+    step times and median, and the paired ratio (their time / ours: > 1 ours is faster)
+    with its min-max (:func:`rwkv_clip.bench.versus.paired_ratios`)."""
     from ..onnx import open_encoder
     from .versus import paired_ratios
 
@@ -138,18 +139,18 @@ def run_case(case: Case, paths: dict[str, dict[str, Path]], threads: int, warmup
     paired = paired_ratios(times["ours"], times["theirs"])
     return {"pair": case.pair, "tower": case.tower, "runtime": case.runtime,
             "precision": case.precision, "batch": case.batch,
-            "ours_ms": round(1e3 * statistics.median(times["ours"]), 3),
-            "theirs_ms": round(1e3 * statistics.median(times["theirs"]), 3),
-            "ratio": round(paired["ratio"], 3),
-            "ratio_range": [round(v, 3) for v in paired["ratio_range"]],
-            "gain": paired["gain"], "ours_s": times["ours"], "theirs_s": times["theirs"]}
+            "rwkv_clip": {"median_ms": 1e3 * statistics.median(times["ours"]),
+                          "step_s": times["ours"]},
+            "open_clip": {"median_ms": 1e3 * statistics.median(times["theirs"]),
+                          "step_s": times["theirs"]},
+            **paired}
 
 
 def format_row(row: dict[str, Any]) -> str:
     low, high = row["ratio_range"]
     return (f"{row['pair']:8s} {row['tower']:5s} {row['runtime']:11s} {row['precision']:4s} "
-            f"b{row['batch']:<3d} ours {row['ours_ms']:9.1f} ms  theirs {row['theirs_ms']:9.1f} ms"
-            f"  {row['ratio']:.2f}x ({low:.2f}-{high:.2f})")
+            f"b{row['batch']:<3d} ours {row['rwkv_clip']['median_ms']:9.1f} ms  theirs "
+            f"{row['open_clip']['median_ms']:9.1f} ms  {row['ratio']:.2f}x ({low:.2f}-{high:.2f})")
 
 
 
