@@ -77,10 +77,11 @@ class OnnxCLIP:
     """The two exported encoders of a folder, with the model's ``encode_image`` /
     ``encode_text`` inputs and outputs as numpy arrays (float32 features of shape
     (B, C); L2-normalised if the export was made with ``--normalize``), run by
-    ``runtime``: ``"onnxruntime"`` or ``"openvino"``."""
+    ``runtime``: ``"onnxruntime"`` or ``"openvino"`` (``threads``, ``spin``: as
+    :func:`open_encoder`)."""
 
     def __init__(self, folder: str | os.PathLike, runtime: str = "onnxruntime",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, spin: bool = True) -> None:
         _import_runtime(runtime)
         self.runtime = runtime
         self.folder = Path(folder)
@@ -98,7 +99,7 @@ class OnnxCLIP:
             path = self.folder / self.config[name]
             if not path.is_file():
                 raise _onnx_error(f"{path} does not exist (named in {ONNX_CONFIG_FILE})")
-            return open_encoder(path, runtime, threads)
+            return open_encoder(path, runtime, threads, spin)
 
         self._image = encoder("image_encoder")
         self._text = encoder("text_encoder")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Latency of the exported ONNX encoders under onnxruntime beside PyTorch eager, one JSON.
 
-Both on the CPU in fp32, the same weights and inputs, the same thread count; each repeat
+Both on the CPU in fp32, the same weights and inputs, the same thread count (onnxruntime's
+idle threads not spinning, so they leave the cores to torch's calls); each repeat
 times one PyTorch call and one onnxruntime call per encoder, alternating which goes first;
 the JSON gives the medians (ms), the paired ratio (torch / onnxruntime) with its min-max
 over repeats, and the max difference of the features relative to their largest magnitude.
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
         folder = Path(ns.onnx_dir or tmp)
         if not (folder / IMAGE_FILE).is_file():
             export_onnx(model, folder, folder_cfg)
-        session = OnnxCLIP(folder, threads=threads)
+        session = OnnxCLIP(folder, threads=threads, spin=False)  # idle threads would slow torch
         image, text = example_inputs(model, ns.batch_size, seed=ns.seed)
         cases = {"image": (lambda: model.encode_image(image),
                            lambda: session.encode_image(image.numpy())),
