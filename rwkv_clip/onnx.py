@@ -37,13 +37,14 @@ def _import_runtime(runtime: str) -> Any:
 
 
 def open_encoder(path: str | os.PathLike, runtime: str = "onnxruntime",
-                 threads: int | None = None, spin: bool = True
-                 ) -> Callable[[np.ndarray], np.ndarray]:
+                 threads: int | None = None, spin: bool = True,
+                 providers: list[str] | None = None) -> Callable[[np.ndarray], np.ndarray]:
     """One ``.onnx`` file of one input and one output as a function of numpy arrays, run by
     ``runtime`` on the CPU with ``threads`` threads (default: the runtime's). OpenVINO
     computes in float32 (its CPU plugin would otherwise pick bf16 where the CPU has it).
     ``spin=False`` stops onnxruntime's idle threads from spinning between calls (for
-    timing two sessions in turn: a spinning idle pool takes cores from the other)."""
+    timing two sessions in turn: a spinning idle pool takes cores from the other).
+    ``providers``: onnxruntime's execution providers (default: the CPU's)."""
     module = _import_runtime(runtime)
     if not Path(path).is_file():
         raise _onnx_error(f"{path} does not exist")
@@ -54,7 +55,7 @@ def open_encoder(path: str | os.PathLike, runtime: str = "onnxruntime",
         if not spin:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = module.InferenceSession(str(path), options,
-                                          providers=["CPUExecutionProvider"])
+                                          providers=providers or ["CPUExecutionProvider"])
         name = session.get_inputs()[0].name
         return lambda x: session.run(None, {name: x})[0]
     config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"}
@@ -77,11 +78,12 @@ class OnnxCLIP:
     """The two exported encoders of a folder, with the model's ``encode_image`` /
     ``encode_text`` inputs and outputs as numpy arrays (float32 features of shape
     (B, C); L2-normalised if the export was made with ``--normalize``), run by
-    ``runtime``: ``"onnxruntime"`` or ``"openvino"`` (``threads``, ``spin``: as
-    :func:`open_encoder`)."""
+    ``runtime``: ``"onnxruntime"`` or ``"openvino"`` (``threads``, ``spin``, ``providers``:
+    as :func:`open_encoder`)."""
 
     def __init__(self, folder: str | os.PathLike, runtime: str = "onnxruntime",
-                 threads: int | None = None, spin: bool = True) -> None:
+                 threads: int | None = None, spin: bool = True,
+                 providers: list[str] | None = None) -> None:
         _import_runtime(runtime)
         self.runtime = runtime
         self.folder = Path(folder)
@@ -99,7 +101,7 @@ class OnnxCLIP:
             path = self.folder / self.config[name]
             if not path.is_file():
                 raise _onnx_error(f"{path} does not exist (named in {ONNX_CONFIG_FILE})")
-            return open_encoder(path, runtime, threads, spin)
+            return open_encoder(path, runtime, threads, spin, providers)
 
         self._image = encoder("image_encoder")
         self._text = encoder("text_encoder")

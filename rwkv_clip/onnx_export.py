@@ -128,7 +128,9 @@ def export_decompositions() -> dict[Any, Callable]:
     """The package's operators as exportable PyTorch (``ExportedProgram.run_decompositions``):
     the WKV by its chunked form in plain operators
     (:func:`rwkv_clip.ops.chunked_plain.wkv6_bidirectional_chunked_plain`),
-    the token shifts by slices and concatenations, the oneDNN linear by ``F.linear``."""
+    the token shifts by products with 0/1 matrices (pads and slices past
+    ``MATRIX_SHIFT_TOKENS``), the oneDNN linear by ``F.linear``; ``torch.lerp`` and
+    ``torch.square`` by the fewer operators onnxruntime runs faster."""
     from .ops import kernels as _wkv_ops  # noqa: F401 - registers rwkv_clip::wkv6_forward
     from .ops import products as _linear_ops  # noqa: F401 - registers rwkv_clip::onednn_linear
     from .ops import shift as _shift_ops  # noqa: F401 - registers the shift operators

@@ -81,13 +81,17 @@ def quantize_folder(src: str | Path, dst: str | Path) -> dict[str, Path]:
 def feature_agreement(fp32_dir: Path, int8_dir: Path, batch: int = 8, seed: int = 0
                       ) -> dict[str, float]:
     """The smallest cosine similarity between the float32 and the INT8 features of random
-    inputs, per encoder (``image``, ``text``)."""
+    inputs (token ids within the model config's vocabulary), per encoder (``image``,
+    ``text``)."""
+    from .hub import MODEL_CONFIG_FILE
+    from .json_files import read_json_object
     from .onnx import OnnxCLIP
 
     fp32, int8 = OnnxCLIP(fp32_dir), OnnxCLIP(int8_dir)
     rng = np.random.default_rng(seed)
     image = rng.standard_normal((batch, 3, fp32.image_size, fp32.image_size), np.float32)
-    text = rng.integers(1, 49408, (batch, fp32.context_length))
+    vocab = int(read_json_object(fp32_dir / MODEL_CONFIG_FILE).get("vocab_size", 49408))
+    text = rng.integers(1, vocab, (batch, fp32.context_length))
     result = {}
     for name, a, b in (("image", fp32.encode_image(image), int8.encode_image(image)),
                        ("text", fp32.encode_text(text), int8.encode_text(text))):

@@ -13,6 +13,7 @@ from ..config import INPUT_SIZE_FLAGS, str2bool
 from ..errors import EvalError, OneLineArgumentParser, run_cli
 from ..faults import DEFAULT_DIST_TIMEOUT
 from ..host_memory import add_host_malloc_flag
+from ..onnx import RUNTIMES
 from ..text_files import check_encoding
 from .runner import ARCH_FLAGS, run
 
@@ -78,7 +79,7 @@ def build_eval_parser(retrieval: bool = False) -> argparse.ArgumentParser:
                    help="evaluate the encoders of an ONNX folder (python -m rwkv_clip.export "
                         "--format onnx, or its python -m rwkv_clip.quantize INT8 copy) instead "
                         "of PyTorch weights, by the same protocol; one process, CPU")
-    g.add_argument("--onnx-runtime", default="onnxruntime", choices=("onnxruntime", "openvino"),
+    g.add_argument("--onnx-runtime", default="onnxruntime", choices=RUNTIMES,
                    help="what runs --onnx encoders")
     g.add_argument("--model-name", default=None,
                    help="model name written to the JSON 'model' field (default: config name)")
