@@ -57,7 +57,6 @@ def test_openvino_matches_onnxruntime_and_pytorch(tiny_export):
 
 
 def test_quantize_command_writes_a_servable_int8_folder(tiny_export):
-    from rwkv_clip.onnx import OnnxCLIP
     from rwkv_clip.quantize import QUANTIZATION
 
     model, root = tiny_export
@@ -72,13 +71,29 @@ def test_quantize_command_writes_a_servable_int8_folder(tiny_export):
 
     ops = {n.op_type for n in onnx.load(str(root / "int8" / "image_encoder.onnx")).graph.node}
     assert "DynamicQuantizeMatMul" in ops or "MatMulInteger" in ops
-    int8, fp32 = OnnxCLIP(root / "int8"), OnnxCLIP(root / "onnx")
-    assert int8.quantization == QUANTIZATION and fp32.quantization is None
-    rng = np.random.default_rng(0)
-    image = rng.standard_normal((4, 3, 16, 16), np.float32)
-    a, b = fp32.encode_image(image), int8.encode_image(image)
-    cosine = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-    assert cosine.min() > 0.98 and not np.array_equal(a, b)
+    # served in a fresh process, as a user serves it: a runtime that dies there fails this
+    # test with its signal and stderr instead of taking the test worker with it
+    check = _run("-X", "faulthandler", "-c", _INT8_CHECK, str(root))
+    assert check.returncode == 0, (check.returncode, check.stderr[-3000:])
+    min_cosine, identical = json.loads(check.stdout.strip().splitlines()[-1])
+    assert min_cosine > 0.98 and not identical
+
+
+_INT8_CHECK = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from rwkv_clip.onnx import OnnxCLIP
+from rwkv_clip.quantize import QUANTIZATION
+root = Path(sys.argv[1])
+int8, fp32 = OnnxCLIP(root / "int8"), OnnxCLIP(root / "onnx")
+assert int8.quantization == QUANTIZATION and fp32.quantization is None
+size = fp32.image_size
+image = np.random.default_rng(1).standard_normal((8, 3, size, size), np.float32)
+a, b = fp32.encode_image(image), int8.encode_image(image)
+cosine = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+print(json.dumps([float(cosine.min()), bool(np.array_equal(a, b))]))
+"""
 
 
 @pytest.mark.parametrize("args,message", [
