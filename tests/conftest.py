@@ -47,9 +47,9 @@ def pytest_sessionstart(session):
 def _machine_lines() -> list[str]:
     import torch
 
-    from rwkv_clip.cpu_gemm import cpu_matmul_in_fp32
     from rwkv_clip.cpu_isa import cpu_info
     from rwkv_clip.ops import build
+    from rwkv_clip.ops.products import cpu_matmul_in_fp32
     bf16 = "fp32 GEMM of rounded operands" if cpu_matmul_in_fp32(torch.bfloat16) else "native"
     return [f"cpu: {cpu_info().describe()}",
             f"torch cpu capability: {torch.backends.cpu.get_cpu_capability()}; WKV CPU build: "
@@ -72,11 +72,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def choose(monkeypatch):
-    """Set a CPU product switch (``linear``, ``lowp_matmul``) through
-    ``$RWKV_CLIP_DISPATCH`` for one test (the override and the CPU rule's answers are
-    cached: cleared around it)."""
-    from rwkv_clip.cpu_gemm import cpu_matmul_choice_reset
+    """Pin a CPU product op (``linear``, ``lowp_matmul``) through
+    ``$RWKV_CLIP_DISPATCH`` for one test (the override and the choices are cached:
+    cleared around it)."""
     from rwkv_clip.ops import dispatch
+    from rwkv_clip.ops.products import cpu_matmul_choice_reset
     chosen: dict[str, str] = {}
 
     def set_choice(switch: str, choice: str) -> None:

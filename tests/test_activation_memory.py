@@ -9,10 +9,10 @@ from torch.utils._pytree import tree_flatten
 from train_util import TINY_CONFIG, tiny_model
 
 from rwkv_clip import activation_memory, load_model_configs
-from rwkv_clip.cpu_gemm import cpu_matmul_choice_reset
 from rwkv_clip.errors import ConfigError
 from rwkv_clip.memory import synthetic_batch
 from rwkv_clip.ops import dispatch
+from rwkv_clip.ops.products import cpu_matmul_choice_reset
 
 pytestmark = pytest.mark.cpu_isa
 

@@ -74,18 +74,18 @@ def test_auto_checks_times_caches_and_a_fresh_process_reads_the_cache(table, tmp
     assert len(table["info"]) == 1
     line = table["info"][0]
     assert line.startswith(f"{OP}: good (") and " over slow (" in line
-    assert line.endswith(", float32, n=64") and "cached" not in line
+    assert line.endswith(", float32, n=64 pass=fwd+bwd") and "cached" not in line
     stored = json.loads((tmp_path / "cache" / "kernels" / dispatch.CACHE_FILE).read_text())
     (key, record), = stored["choices"].items()
     assert key == dispatch.cache_key(OP, dispatch.device_name(torch.device("cpu")),
-                                     torch.float32, {"n": 64})
+                                     torch.float32, {"n": 64, "pass": "fwd+bwd"})
     assert record["implementation"] == "good" and set(record["times_ms"]) == {"good", "slow"}
 
     dispatch.reset()  # what a new process starts from: the disk cache only
     assert dispatch.choose(OP, (_x(),)).name == "good"
     assert dispatch.counters == {"checked": 0, "timed": 0}
     assert table["info"][-1].startswith(f"{OP}: good (") and ", cached)" in table["info"][-1]
-    assert dispatch.choices()[f"{OP} cpu float32 n=64"]["how"] == "cache"
+    assert dispatch.choices()[f"{OP} cpu float32 n=64 pass=fwd+bwd"]["how"] == "cache"
 
 
 def test_a_candidate_that_raises_or_misses_is_dropped_with_one_line(table):
@@ -107,7 +107,7 @@ def test_the_choice_line_is_printed_once_per_process(table):
         dispatch.choose(OP, (_x(16),))
     dispatch.choose(OP, (_x(32),))  # another shape class: its own choice and line
     assert [ln.split(" (")[0] for ln in table["info"]] == [f"{OP}: good", f"{OP}: good"]
-    assert [ln.rsplit(", ", 1)[1] for ln in table["info"]] == ["n=16", "n=32"]
+    assert [ln.rsplit(", ", 1)[1] for ln in table["info"]] == ["n=16 pass=fwd+bwd", "n=32 pass=fwd+bwd"]
     assert dispatch.counters["timed"] == 4  # good and slow, once per shape class
 
 
@@ -116,15 +116,15 @@ def test_pins_and_the_override_choose_without_timing(table, monkeypatch):
     dispatch.pin({OP: "wrong"})  # a pin is trusted: nothing checked
     assert dispatch.choose(OP, (_x(),)).name == "wrong"
     assert dispatch.pins() == {OP: "wrong"}
-    assert table["info"] == [f"{OP}: slow (pinned), float32, n=64",
-                             f"{OP}: wrong (pinned), float32, n=64"]
+    assert table["info"] == [f"{OP}: slow (pinned), float32, n=64 pass=fwd+bwd",
+                             f"{OP}: wrong (pinned), float32, n=64 pass=fwd+bwd"]
     dispatch.pin(f"{OP}=auto")
     monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, f"{OP}=slow")
     dispatch.reset()
     table["info"].clear()
     assert dispatch.choose(OP, (_x(),)).name == "slow"
     assert dispatch.counters == {"checked": 0, "timed": 0}
-    assert table["info"] == [f"{OP}: slow (override), float32, n=64"]
+    assert table["info"] == [f"{OP}: slow (override), float32, n=64 pass=fwd+bwd"]
 
 
 def test_an_unknown_name_is_one_clear_error(table, monkeypatch):
@@ -224,7 +224,7 @@ def test_wkv_through_the_table_matches_the_reference(dtype, grad_tol, tmp_path, 
         chosen, = dispatch.choices().values()
         assert chosen["op"] == "wkv" and chosen["implementation"] in ("cpu", "reference")
         assert lines and lines[0].startswith(f"wkv: {chosen['implementation']} (")
-        assert lines[0].endswith(f", {str(dtype)[6:]}, T={T} N={N}")
+        assert lines[0].endswith(f", {str(dtype)[6:]}, T={T} N={N} pass=fwd+bwd")
     finally:
         dispatch.set_reporter()
         dispatch.reset()
@@ -303,16 +303,16 @@ def test_adopted_choices_are_used_per_shape_and_the_rest_is_chosen(table, tmp_pa
     nothing checked or timed for the shapes they cover; another shape is chosen as usual."""
     dispatch.choose(OP, (_x(64),))
     stored = dispatch.choices()
-    stored[f"{OP} cpu float32 n=64"]["implementation"] = "slow"  # what the other chose
+    stored[f"{OP} cpu float32 n=64 pass=fwd+bwd"]["implementation"] = "slow"  # what the other chose
     path = tmp_path / "dispatch.json"
     path.write_text(json.dumps(stored))
     dispatch.reset()
     assert dispatch.apply_setting(str(path), "--dispatch") == f"1 choice(s) adopted from {path}"
     assert dispatch.choose(OP, (_x(64),)).name == "slow"
     assert dispatch.counters == {"checked": 0, "timed": 0}
-    assert table["info"][-1] == f"{OP}: slow (adopted), float32, n=64"
+    assert table["info"][-1] == f"{OP}: slow (adopted), float32, n=64 pass=fwd+bwd"
     assert dispatch.choose(OP, (_x(32),)).name == "good"  # not covered: auto
-    assert dispatch.choices()[f"{OP} cpu float32 n=32"]["how"] == "auto"
+    assert dispatch.choices()[f"{OP} cpu float32 n=32 pass=fwd+bwd"]["how"] == "auto"
 
 
 def test_the_dispatch_setting_pins_or_says_what_is_wrong(table, tmp_path):
@@ -369,27 +369,25 @@ def test_timing_takes_each_candidates_best_run_in_rounds(table):
     op.register(Implementation("steady", steady, _on_cpu, ("cpu",)))
     op.register(Implementation("spiky", spiky, _on_cpu, ("cpu",)))
     assert dispatch.choose(OP, (_x(),)).name == "spiky"
-    chosen = dispatch.choices()[f"{OP} cpu float32 n=64"]["times_ms"]
+    chosen = dispatch.choices()[f"{OP} cpu float32 n=64 pass=fwd+bwd"]["times_ms"]
     assert chosen["spiky"] < 5 <= chosen["steady"]
     # checked once, then one warm-up run and the rounds
     assert calls["spiky"] == 1 + 1 + dispatch.TIMED_ITERATIONS
 
 
-def test_switch_decisions_are_reported_stored_and_adopted_as_pins(table):
-    from rwkv_clip.cpu_gemm import cpu_linear_uses_onednn, cpu_matmul_choice_reset
-    cpu_matmul_choice_reset()
-    try:
-        onednn = cpu_linear_uses_onednn()
-        chosen = dispatch.choices()
-        record = chosen["linear cpu float32 both widths >= 512"]
-        assert record["implementation"] == ("onednn" if onednn else "mkl")
-        assert record["how"] == "rule"
-        assert table["info"][-1] == (f"linear: {record['implementation']} (rule), float32, "
-                                     "both widths >= 512")
-        flipped = dict(record, implementation="mkl" if onednn else "onednn")
-        dispatch.adopt({"k": flipped})
-        assert dispatch.pins() == {"linear": flipped["implementation"]}
-        assert cpu_linear_uses_onednn() is (flipped["implementation"] == "onednn")
-    finally:
-        dispatch.reset()
-        cpu_matmul_choice_reset()
+def test_product_choices_are_reported_stored_and_adopted_per_shape(table):
+    """The fp32 Linear's choice (aten or onednn) is one of the table's: one line, kept
+    with the choices, adopted by another process for the same product only."""
+    x, w = torch.randn(4, 40), torch.randn(24, 40)
+    name = dispatch.choose("linear", (x, w, None)).name
+    record = dispatch.choices()["linear cpu float32 K=40 N=24"]
+    assert record["implementation"] == name and record["how"] == "auto"
+    assert table["info"][-1].startswith(f"linear: {name} (") and \
+        table["info"][-1].endswith(", float32, K=40 N=24")
+    other = next(n for n in ("aten", "onednn") if n != name)
+    dispatch.reset()
+    dispatch.adopt({"k": dict(record, implementation=other)})
+    if dispatch.get_op("linear").implementations[other].supports(x.device, x.dtype, {}) is None:
+        assert dispatch.choose("linear", (x, w, None)).name == other
+    assert dispatch.choose("linear", (x, torch.randn(8, 40), None)).name in ("aten", "onednn")
+    assert dispatch.choices()["linear cpu float32 K=40 N=8"]["how"] in ("auto", "cache")

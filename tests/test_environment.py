@@ -97,10 +97,10 @@ def test_a_replaced_variable_stops_zero_shot_py_in_one_line():
                                   "(docs/training.md#environment-variables)")
 
 
-def test_the_switches_are_pinnable_and_checked(monkeypatch, fresh_override):
+def test_the_products_are_pinnable_and_checked(monkeypatch, fresh_override):
     """linear and lowp_matmul take their choices through the override and pin; an
     unknown choice or op is one line naming the allowed ones."""
-    assert {"linear", "lowp_matmul"} <= set(dispatch.SWITCHES)
+    assert {"linear", "lowp_matmul"} <= set(dispatch.TABLE)
     monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, "linear=mkl,lowp_matmul=fp32,wkv=reference")
     assert dispatch.override() == {"linear": "mkl", "lowp_matmul": "fp32", "wkv": "reference"}
     assert dispatch.pinned("linear") == "mkl" and dispatch.pinned("lowp_matmul") == "fp32"
@@ -109,20 +109,21 @@ def test_the_switches_are_pinnable_and_checked(monkeypatch, fresh_override):
     assert dispatch.pinned("linear") is None
     dispatch.reset()
     monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, "linear=blas")
-    with pytest.raises(DispatchError, match=r"^unknown linear choice 'blas' \(from "
+    with pytest.raises(DispatchError, match=r"^unknown linear implementation 'blas' \(from "
                                             r"RWKV_CLIP_DISPATCH\); expected one of auto, "
-                                            r"onednn, mkl$"):
+                                            r"aten, onednn, mkl$"):
         dispatch.override()
     dispatch.reset()
     monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR, "matmul=fp32")
     with pytest.raises(DispatchError, match=r"unknown op 'matmul'; expected one of wkv, .*"
-                                            r"lowp_matmul, linear"):
+                                            r"linear, lowp_matmul"):
         dispatch.override()
     monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR)
     dispatch.reset()
     dispatch.pin({"lowp_matmul": "native"})
     assert dispatch.pinned("lowp_matmul") == "native"
-    with pytest.raises(DispatchError, match="unknown lowp_matmul choice 'bf16' \\(from pin\\)"):
+    with pytest.raises(DispatchError, match="unknown lowp_matmul implementation 'bf16' "
+                                            "\\(from pin\\)"):
         dispatch.pin("lowp_matmul=bf16")
 
 

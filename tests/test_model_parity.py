@@ -63,7 +63,8 @@ def test_golden_eval_features(golden, backend, inputs):
     assert _rel(image_features.cpu(), golden["image_features"]) < 1e-4
     assert _rel(text_features.cpu(), golden["text_features"]) < 1e-4
     assert torch.allclose(logit_scale.cpu(), golden["logit_scale"], rtol=1e-6)
-    assert torch.allclose(model.encode_image(images), image_features, atol=0)
+    with torch.no_grad():  # the same pass, so the same products (chosen per pass)
+        assert torch.allclose(model.encode_image(images), image_features, atol=0)
 
 
 def _direction(n: int) -> torch.Tensor:

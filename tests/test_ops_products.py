@@ -7,18 +7,25 @@ what autograd saves (the memory planner's accounting).
 """
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from rwkv_clip.cpu_gemm import (
-    cpu_linear_uses_onednn,
-    cpu_matmul_in_fp32,
-)
-from rwkv_clip.errors import DispatchError, PrecisionError
+from rwkv_clip.errors import DispatchError
 from rwkv_clip.layers.linear import Linear
 from rwkv_clip.ops import dispatch
-from rwkv_clip.ops.products import conv2d, linear, matmul
+from rwkv_clip.ops.products import (
+    LINEAR,
+    LOWP_MATMUL,
+    conv2d,
+    cpu_matmul_choice_reset,
+    cpu_matmul_in_fp32,
+    linear,
+    matmul,
+)
 
 pytestmark = pytest.mark.cpu_isa
 
@@ -39,41 +46,70 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-AVX2 = {"avx2", "fma"}
-AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+@pytest.fixture
+def own_cache(monkeypatch, tmp_path):
+    """A dispatch cache of the test's own: what it times is not kept for other tests."""
+    monkeypatch.setenv("RWKV_CLIP_CACHE", str(tmp_path))
+    dispatch.reset()
+    cpu_matmul_choice_reset()
+    yield
+    dispatch.reset()
+    cpu_matmul_choice_reset()
 
 
-@pytest.mark.parametrize("flags,caps,bf16_in_fp32,fp16_in_fp32", [
-    (AVX2, {}, True, True),                                    # AMD Zen 2/3, Intel Haswell
-    (AVX512, {}, True, True),                                  # Skylake-X, Ice Lake
-    (AVX512 | {"avx512_bf16"}, {}, False, True),               # AMD Zen 4/5, Cooper Lake
-    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, {}, False, True),  # Sapphire Rapids
-    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16"}, {}, False, False),
-    (AVX512 | {"avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, True, True),
-    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
-     True, True),
-    (AVX512 | {"avx512_bf16"}, {"ATEN_CPU_CAPABILITY": "avx2"}, True, True),
-], ids=["avx2", "avx512", "avx512bf16", "amx", "amx-fp16", "capped-avx2", "capped-avx512",
-        "aten-avx2"])
-def test_auto_takes_the_fp32_gemm_without_native_low_precision(
-        policy, monkeypatch, flags, caps, bf16_in_fp32, fp16_in_fp32):
-    """``auto`` decides from the CPU's level (rwkv_clip.cpu_isa), capped as torch and
-    oneDNN are: each machine's decision checked on any machine."""
-    from rwkv_clip import cpu_isa
-    monkeypatch.setattr(cpu_isa, "_proc_cpuinfo", lambda: ("AuthenticAMD", "test", frozenset(flags)))
-    monkeypatch.setattr(cpu_isa.platform, "machine", lambda: "x86_64")
-    cpu_isa._cpu_info.cache_clear()
-    for name in cpu_isa.CAP_ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in caps.items():
-        monkeypatch.setenv(name, value)
-    try:
-        policy("auto")
-        assert cpu_matmul_in_fp32(torch.bfloat16) is bf16_in_fp32
-        assert cpu_matmul_in_fp32(torch.float16) is fp16_in_fp32
-        assert cpu_matmul_in_fp32(torch.float32) is False
-    finally:
-        cpu_isa._cpu_info.cache_clear()
+def _slowed(op: dispatch.Op, name: str, monkeypatch, seconds: float = 0.02) -> None:
+    """Make implementation ``name`` of ``op`` slower by ``seconds`` a call (same values)."""
+    impl = op.implementations[name]
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return impl.fn(*args, **kwargs)
+    monkeypatch.setitem(op.implementations, name, dataclasses.replace(impl, fn=slow))
+
+
+def _linear_choice(k: int = 512, n: int = 512) -> str:
+    x, w = torch.randn(4, k), torch.randn(n, k)
+    return dispatch.choose("linear", (x, w, None)).name
+
+
+@pytest.mark.parametrize("slow,in_fp32", [("native", True), ("fp32", False)])
+def test_auto_times_the_low_precision_gemms(own_cache, monkeypatch, slow, in_fp32):
+    """``auto`` checks torch's bf16 GEMM and the fp32 GEMM of the rounded operands
+    against the float64 product, times both at the first product's size and keeps the
+    faster for the dtype (a CPU without native bf16 GEMMs makes torch's many times
+    slower; here one is slowed on purpose)."""
+    _slowed(LOWP_MATMUL, slow, monkeypatch)
+    assert cpu_matmul_in_fp32(torch.bfloat16, (64, 128, 96)) is in_fp32
+    record = dispatch.choices()["lowp_matmul cpu bfloat16 M=64 K=128 N=96"]
+    assert record["how"] == "auto" and set(record["times_ms"]) == {"native", "fp32"}
+    assert record["times_ms"][slow] >= 20 > min(record["times_ms"].values())
+    assert cpu_matmul_in_fp32(torch.float32) is False
+    timed = dispatch.counters["timed"]  # one decision per dtype: another size asks nothing
+    assert cpu_matmul_in_fp32(torch.bfloat16, (8, 8, 8)) is in_fp32
+    assert dispatch.counters["timed"] == timed
+
+
+@pytest.mark.parametrize("slow", ["aten", "onednn"])
+def test_auto_times_the_fp32_linear_per_shape_and_pass(own_cache, monkeypatch, slow):
+    if LINEAR.implementations["onednn"].supports(torch.device("cpu"), torch.float32, {}):
+        pytest.skip("torch built without oneDNN")
+    _slowed(LINEAR, slow, monkeypatch)
+    fast = ({"aten", "onednn"} - {slow}).pop()
+    assert _linear_choice(64, 32) == fast
+    x, w = torch.randn(4, 64), torch.randn(32, 64, requires_grad=True)
+    assert dispatch.choose("linear", (x, w, None)).name == fast  # with gradients: timed again
+    chosen = dispatch.choices()
+    assert {"linear cpu float32 K=64 N=32", "linear cpu float32 K=64 N=32 pass=fwd+bwd"} \
+        <= set(chosen)
+    assert all(r["times_ms"][slow] >= 20 for r in chosen.values())
+
+
+def test_linear_timing_is_cached_for_later_processes(own_cache):
+    name = _linear_choice(48, 40)
+    dispatch.reset()
+    timed = dispatch.counters["timed"]
+    assert _linear_choice(48, 40) == name and dispatch.counters["timed"] == timed
+    assert dispatch.choices()["linear cpu float32 K=48 N=40"]["how"] == "cache"
 
 
 def test_policy_choices(policy):
@@ -83,19 +119,19 @@ def test_policy_choices(policy):
     assert cpu_matmul_in_fp32(torch.bfloat16) is True
     assert cpu_matmul_in_fp32(torch.float16) is True
     policy("fast please")
-    with pytest.raises(DispatchError, match="^unknown lowp_matmul choice 'fast please' "
+    with pytest.raises(DispatchError, match="^unknown lowp_matmul implementation 'fast please' "
                                             r"\(from RWKV_CLIP_DISPATCH\); expected one of "
-                                            "auto, native, fp32$"):
+                                            "auto, fp32, native$"):
         cpu_matmul_in_fp32(torch.bfloat16)
 
 
 def test_policy_pinned_through_dispatch_pin(policy):
-    """dispatch.pin takes the switch too (the override wins over it)."""
+    """dispatch.pin takes the products' ops too (the override wins over it)."""
     try:
         dispatch.pin({"lowp_matmul": "fp32"})
         assert cpu_matmul_in_fp32(torch.bfloat16) is True
         dispatch.pin("lowp_matmul=native,linear=mkl")
-        assert cpu_matmul_in_fp32(torch.bfloat16) is False and cpu_linear_uses_onednn() is False
+        assert cpu_matmul_in_fp32(torch.bfloat16) is False and _linear_choice() == "aten"
         policy("fp32")
         dispatch.pin({"lowp_matmul": "native"})
         assert cpu_matmul_in_fp32(torch.bfloat16) is True
@@ -250,26 +286,23 @@ onednn = pytest.mark.skipif(
     reason="torch built without oneDNN")
 
 
-def test_fp32_linear_backend_choices(fp32_linear):
-    fp32_linear("mkl")
-    assert cpu_linear_uses_onednn() is False
-    fp32_linear("auto")
-    from rwkv_clip.cpu_isa import cpu_info
-    assert cpu_linear_uses_onednn() is (torch.backends.mkldnn.is_available()
-                                        and cpu_info().vendor == "AuthenticAMD")
+def test_fp32_linear_pins(fp32_linear, own_cache):
+    fp32_linear("mkl")  # the name of torch's default on x86, kept as a pin
+    assert _linear_choice() == "aten"
     fp32_linear("blas")
-    with pytest.raises(DispatchError, match="unknown linear choice 'blas'.*expected one of "
-                                            "auto, onednn, mkl$"):
-        cpu_linear_uses_onednn()
+    with pytest.raises(DispatchError, match="unknown linear implementation 'blas'.*expected one "
+                                            "of auto, aten, onednn, mkl$"):
+        _linear_choice()
 
 
-def test_forced_onednn_without_onednn_is_a_precision_error(fp32_linear, monkeypatch):
+def test_forced_onednn_without_onednn_is_one_error(fp32_linear, monkeypatch, own_cache):
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     fp32_linear("onednn")
-    with pytest.raises(PrecisionError, match="linear=onednn: .*no oneDNN"):
-        cpu_linear_uses_onednn()
+    with pytest.raises(DispatchError, match="linear implementation 'onednn' .*cannot run here: "
+                                            "this torch build has no oneDNN matmul"):
+        _linear_choice()
     fp32_linear("auto")  # auto quietly keeps torch's default
-    assert cpu_linear_uses_onednn() is False
+    assert _linear_choice() == "aten"
 
 
 @onednn
@@ -296,8 +329,8 @@ def test_onednn_linear_matches_torch_and_keeps_its_gradients(fp32_linear, bias):
         assert _rel(layer(xt), F.linear(xt, layer.weight, layer.bias)) < 1e-5
     with torch.autocast("cpu", dtype=torch.bfloat16):  # never under autocast
         assert layer(x).dtype == torch.bfloat16
-    narrow = Linear(512, 128)  # narrow products stay torch's
-    assert "onednn_linear" not in narrow(x).grad_fn.name()
+    narrow = Linear(512, 128)  # a pin holds for every product
+    assert "onednn_linear" in narrow(x).grad_fn.name()
 
 
 @onednn

@@ -114,7 +114,7 @@ def test_out_of_memory_message_suggests_the_remedies(tmp_path):
 
 
 def test_constant_mark_is_torchs_and_importing_does_not_load_dynamo():
-    """cpu_gemm.assume_constant_result sets the mark torch's own decorator sets, and
+    """ops.products.assume_constant_result sets the mark torch's own decorator sets, and
     importing the package, the trainer and the evaluator leaves torch._dynamo unloaded
     (it cost 2.4 s of every process's start-up)."""
     import subprocess
@@ -122,7 +122,7 @@ def test_constant_mark_is_torchs_and_importing_does_not_load_dynamo():
 
     import torch._dynamo
 
-    from rwkv_clip.cpu_gemm import assume_constant_result, cpu_linear_uses_onednn
+    from rwkv_clip.ops.products import assume_constant_result, cpu_matmul_in_fp32
 
     def theirs():
         return 1
@@ -132,7 +132,7 @@ def test_constant_mark_is_torchs_and_importing_does_not_load_dynamo():
     torch._dynamo.assume_constant_result(theirs)
     assume_constant_result(ours)
     assert vars(ours) == vars(theirs) == {"_dynamo_marked_constant": True}
-    assert cpu_linear_uses_onednn._dynamo_marked_constant is True
+    assert cpu_matmul_in_fp32._dynamo_marked_constant is True
     code = ("import sys, rwkv_clip, rwkv_clip.model, rwkv_clip.train.loop, rwkv_clip.eval.cli; "
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

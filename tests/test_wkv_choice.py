@@ -21,7 +21,7 @@ ENV = dispatch.OVERRIDE_ENV_VAR
 IMPL_ERROR = (f"unknown wkv implementation 'bogus' (from {ENV}); expected one of auto, "
               "cuda-fast, cuda-faithful, chunked, cpu, reference, cuda")
 OP_ERROR = (f"{ENV}: unknown op 'gpu'; expected one of wkv, shift_lerp, head_norm_gate, relu_square, "
-            "lowp_matmul, linear")
+            "linear, lowp_matmul")
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +89,7 @@ def test_train_log_names_the_wkv_choice_and_the_run_stores_it(tmp_path):
     assert {c["how"] for c in wkv} == {"override"}
     # the glue ops around it: chosen by the table, each choice stored and logged
     assert {c["op"] for c in stored.values()} == {"wkv", "shift_lerp", "head_norm_gate",
-                                                  "relu_square"}
+                                                  "relu_square", "linear"}
     for c in stored.values():
         if c["op"] != "wkv":
             assert c["how"] in ("auto", "cache") and c["implementation"] in c["times_ms"]

@@ -24,7 +24,7 @@ from ..compiling import INDUCTOR_CACHE_ENV, inductor_cache_dir
 from ..errors import ConfigError
 
 # environment of each CPU path (the variables torch and oneDNN read; the dispatch override
-# for rwkv_clip.cpu_gemm's switches)
+# pinning the fp32 Linear's implementation, rwkv_clip.ops.products)
 CPU_PATHS: dict[str, dict[str, str]] = {
     "native": {},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},

@@ -230,10 +230,9 @@ def wkv6_bidirectional(r, k, v, w, u, backend: str | None = None) -> torch.Tenso
     return impl.fn(r, k, v, w, u)
 
 
-# the rest of the table, pinnable as soon as it is: the glue ops, the switches linear and
-# lowp_matmul
-from .. import cpu_gemm  # noqa: E402,F401
-from . import glue  # noqa: E402,F401
+# the rest of the table, pinnable as soon as it is: the glue ops and the products (linear,
+# lowp_matmul)
+from . import glue, products  # noqa: E402,F401
 
 __all__ = ["WKV", "WKVError", "check_inputs", "check_wkv_environment", "describe_wkv",
            "dispatch", "prepare_wkv_kernel", "wkv6_bidirectional",

@@ -9,7 +9,9 @@ dtype, shape)`` that returns None or the reason it cannot run. A call passes ten
 head count, a shift's geometry), which every implementation and the reference take as
 keywords.
 
-For one (op, device, dtype, shape class) the choice is, first that applies:
+For one (op, device, dtype, shape class, pass) the choice is, first that applies (the
+pass: ``pass=fwd+bwd`` joins the shape class where the call needs gradients, so a choice
+timed on inference is not reused for training):
 
 1. a pinned name: the caller's argument, ``$RWKV_CLIP_DISPATCH`` (a debugging override,
    ``op=name[,op=name]``), or :func:`pin`;
@@ -19,10 +21,6 @@ For one (op, device, dtype, shape class) the choice is, first that applies:
    (forward and gradients; one line names a candidate that raises or misses and drops
    it), the survivors are timed at the real shape (the reference only when nothing
    else survives), the fastest is cached on disk.
-
-A :class:`Switch` is a choice between fast paths that a fixed rule makes instead of a
-measurement (``linear``, ``lowp_matmul``: :mod:`rwkv_clip.cpu_gemm`); it is pinned the
-same way (``$RWKV_CLIP_DISPATCH``, :func:`pin`, read through :func:`pinned`).
 
 Each choice is reported once per process in one line (:func:`set_reporter`), e.g.
 ``wkv: cuda-fast (0.11 ms) over chunked (0.2 ms), bfloat16, T=197 N=64``; :func:`choices` returns
@@ -49,7 +47,7 @@ from .cache import cache_root
 OVERRIDE_ENV_VAR = "RWKV_CLIP_DISPATCH"
 AUTO = "auto"  # as a pin: no pin, the table chooses
 CACHE_FILE = "dispatch.json"
-CACHE_FORMAT = 1  # bump when a record's layout or the key's contents change
+CACHE_FORMAT = 2  # bump when a record's layout or the key's contents change
 TIMED_ITERATIONS = 5  # rounds, the candidates in turn; each one's best run counts
 # a candidate whose first timed run is this many times slower than the best so far is
 # not run again: its one run is its time (the reference can be very slow at full size)
@@ -158,26 +156,7 @@ class Choice:
                 "times_ms": dict(self.times_ms)}
 
 
-@dataclass(frozen=True)
-class Switch:
-    """A choice between fast paths made by its owner's rule (``auto``) unless a pin names
-    one of ``choices``; nothing is checked or timed."""
-
-    name: str
-    choices: tuple[str, ...]
-
-    def allowed_names(self) -> list[str]:
-        return [AUTO, *self.choices]
-
-    def resolve(self, name: str, device_type: str | None = None, source: str = "argument") -> str:
-        if name in self.choices:
-            return name
-        raise DispatchError(f"unknown {self.name} choice {name!r} (from {source}); "
-                            f"expected one of {', '.join(self.allowed_names())}")
-
-
 TABLE: dict[str, Op] = {}
-SWITCHES: dict[str, Switch] = {}
 _pins: dict[str, str] = {}
 _preferred: dict[str, str] = {}              # prefer(): used where it runs, else auto
 _adopted: dict[str, str] = {}                # adopt(): "op|device type|dtype|shape" -> name
@@ -187,6 +166,15 @@ _by_device_type: dict[str, str] = {}         # "op:cpu" -> the last choice there
 _checked: dict[tuple[str, str, str, str, str], str | None] = {}
 _reported: set[str] = set()
 counters = {"checked": 0, "timed": 0}
+# bumped whenever the choices are forgotten or may change (pins, adoptions, reset): what a
+# caller that keeps a choice of its own (rwkv_clip.ops.products) compares against
+generation = 0
+
+
+def _forget_choices() -> None:
+    global generation
+    _memo.clear()
+    generation += 1
 
 
 def _print_line(line: str) -> None:
@@ -211,13 +199,8 @@ def register_op(op: Op) -> Op:
     return op
 
 
-def register_switch(switch: Switch) -> Switch:
-    SWITCHES[switch.name] = switch
-    return switch
-
-
 def _pinnable() -> str:
-    return ", ".join([*TABLE, *SWITCHES])
+    return ", ".join(TABLE)
 
 
 def get_op(name: str) -> Op:
@@ -237,7 +220,7 @@ def parse_pins(text: str, source: str) -> dict[str, str]:
         if not sep or not impl:
             raise DispatchError(f"{source}: {item!r} is not op=implementation (ops: "
                                 f"{_pinnable()})")
-        op: Op | Switch | None = TABLE.get(op_name) or SWITCHES.get(op_name)
+        op = TABLE.get(op_name)
         if op is None:
             raise DispatchError(f"{source}: unknown op {op_name!r}; expected one of "
                                 f"{_pinnable()}")
@@ -289,7 +272,7 @@ def override() -> dict[str, str]:
 
 
 def pinned(name: str) -> str | None:
-    """The name pinned for op or switch ``name`` by the override or :func:`pin` (None:
+    """The name pinned for op ``name`` by the override or :func:`pin` (None:
     ``auto``)."""
     return override().get(name) or _pins.get(name)
 
@@ -301,7 +284,7 @@ def pin(choices: Mapping[str, str] | str) -> None:
     pins = parse_pins(text, "pin")
     _pins.clear()
     _pins.update(pins)
-    _memo.clear()
+    _forget_choices()
 
 
 def prefer(choices: Mapping[str, str]) -> None:
@@ -312,7 +295,7 @@ def prefer(choices: Mapping[str, str]) -> None:
     parsed = parse_pins(",".join(f"{k}={v}" for k, v in choices.items()), "prefer")
     _preferred.clear()
     _preferred.update(parsed)
-    _memo.clear()
+    _forget_choices()
 
 
 def _adopted_key(op: str, device_type: str, dtype: str, shape: str) -> str:
@@ -325,7 +308,6 @@ def adopt(chosen: Mapping[str, Mapping[str, Any]], source: str = "choices") -> N
     they do not cover is chosen as usual. ``{}`` clears. A record naming an op or an
     implementation the table does not know is a :class:`DispatchError`."""
     adopted: dict[str, str] = {}
-    switch_pins: dict[str, str] = {}
     for record in chosen.values():
         try:
             op, name = record["op"], record["implementation"]
@@ -334,17 +316,13 @@ def adopt(chosen: Mapping[str, Mapping[str, Any]], source: str = "choices") -> N
         except (KeyError, TypeError, RuntimeError):
             raise DispatchError(f"{source}: {record!r} is not a dispatch choice (op, "
                                 "implementation, device, dtype, shape)") from None
-        if op in SWITCHES:  # a rule's decision: pinned as it was
-            switch_pins[op] = SWITCHES[op].resolve(name, device_type, source)
-            continue
         entry = TABLE.get(op)
         if entry is None:
             raise DispatchError(f"{source}: unknown op {op!r}; expected one of {_pinnable()}")
         adopted[key] = entry.resolve(name, device_type, source)
     _adopted.clear()
     _adopted.update(adopted)
-    _pins.update(switch_pins)
-    _memo.clear()
+    _forget_choices()
 
 
 def read_choices(path: str) -> dict[str, dict[str, Any]]:
@@ -386,17 +364,11 @@ def reset() -> None:
     """Forget every choice, check, pin, report and the override (read again next time)."""
     global _override
     _override = None
-    for d in (_pins, _adopted, _memo, _by_device_type, _checked):
+    for d in (_pins, _adopted, _by_device_type, _checked):
         d.clear()
+    _forget_choices()
     _reported.clear()
     counters.update(checked=0, timed=0)
-
-
-def record_switch(name: str, choice: str, dtype: torch.dtype, how: str, shape: str) -> None:
-    """A switch's decision on the CPU (``how``: ``rule`` or ``pinned``): reported once and
-    kept with the choices (a run's ``dispatch.json``; :func:`adopt` pins it again)."""
-    key = f"{name}|cpu|{dtype_name(dtype)}|{shape}"
-    _remember(Choice(name, choice, "cpu", dtype_name(dtype), shape, how), key, "cpu")
 
 
 def choices() -> dict[str, dict[str, Any]]:
@@ -594,8 +566,7 @@ def _auto(op: Op, args: Sequence[Any], attrs: Attrs, device: torch.device, dtype
         # the reference is the oracle, not a contender: timing it at the real shape (a
         # long image sequence) costs seconds and memory for a result known in advance
         survivors = [impl for impl in survivors if impl.fn is not op.reference]
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(a, Tensor) and a.requires_grad for a in args)
+    needs_grad = _needs_grad(args)
     # one warm-up run each (first-use builds; a candidate far slower than the best so far
     # keeps that run as its time), then rounds in turn, each candidate's best run: a
     # moment of load elsewhere on the machine slows one run, not one candidate
@@ -643,19 +614,40 @@ def _exporting() -> bool:
     return torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 
-def _traced(op: Op, device: torch.device, pinned: str | None) -> Implementation:
+def _eager_choice(op: Op, args: Sequence[Any], attrs: Attrs) -> str | None:
+    """The choice made in eager for a call of these static shapes, device and dtype
+    (either pass), if any; None for symbolic shapes (reading them would specialise)."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if not all(isinstance(d, int) for t in tensors for d in t.shape):
+        return None
+    try:
+        shape = dict(op.shape_class(*args, **attrs))
+    except Exception:  # a shape class that needs real data: the device type's choice
+        return None
+    for extra in ({"pass": "fwd+bwd"}, {}):
+        known = _memo.get(f"{op.name}|{args[0].device}|{args[0].dtype}|"
+                          f"{shape_text({**shape, **extra})}")
+        if known is not None:
+            return known.implementation
+    return None
+
+
+def _traced(op: Op, device: torch.device, pinned: str | None, args: Sequence[Any] = (),
+            attrs: Attrs | None = None) -> Implementation:
     """Under ``torch.compile`` tracing, and on meta or fake tensors, nothing is checked
-    or timed: a pin, else the last choice made on this device type in eager, else the
+    or timed: a pin, else the choice made in eager for the same shape class, else the
+    last choice made on this device type in eager, else the
     first implementation registered for it that is not the reference (for a device no
     implementation names, such as meta, the first registered that is not the reference:
     its fake implementation gives the shapes). Under ``torch.export`` and TorchScript
     tracing, the op's ``on_export`` where it names one."""
+    if op.on_export is not None and _exporting():  # a graph of plain ops, whatever the pins
+        return op.implementations[op.on_export]
     name = pinned or override().get(op.name) or _pins.get(op.name)
     if name:
         return op.implementations[op.resolve(name, device.type)]
-    if op.on_export is not None and _exporting():
-        return op.implementations[op.on_export]
-    last = _by_device_type.get(f"{op.name}:{device.type}")
+    last = (_eager_choice(op, args, attrs or {}) if args else None) \
+        or _by_device_type.get(f"{op.name}:{device.type}")
     if last is not None:
         return op.implementations[last]
     others = [impl for impl in op.implementations.values() if impl.fn is not op.reference]
@@ -663,6 +655,19 @@ def _traced(op: Op, device: torch.device, pinned: str | None) -> Implementation:
         if device.type in impl.device_types:
             return impl
     return (others or list(op.implementations.values()))[0]
+
+
+def _needs_grad(args: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad
+                                           for a in args)
+
+
+def _call_shape(op: Op, args: Sequence[Any], attrs: Attrs) -> dict[str, Any]:
+    """The op's shape class of a call, with ``pass=fwd+bwd`` where it needs gradients."""
+    shape = dict(op.shape_class(*args, **attrs))
+    if _needs_grad(args):
+        shape["pass"] = "fwd+bwd"
+    return shape
 
 
 def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
@@ -676,8 +681,8 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
     if pinned == AUTO:
         pinned = None
     if torch.compiler.is_compiling() or _abstract(args) or _exporting():
-        return _traced(op, device, pinned)
-    shape = op.shape_class(*args, **attrs)
+        return _traced(op, device, pinned, args, attrs)
+    shape = _call_shape(op, args, attrs)
     memo_key = f"{op.name}|{device}|{dtype}|{shape_text(shape)}"
     sources = (("argument", pinned), (OVERRIDE_ENV_VAR, override().get(op.name)),
                ("pin", _pins.get(op.name)))
@@ -731,9 +736,9 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
     return op.implementations[choice.implementation]
 
 
-__all__ = ["CACHE_FILE", "ENV_VARS", "OVERRIDE_ENV_VAR", "REPLACED_ENV_VARS", "SWITCHES", "TABLE",
-           "Choice", "DispatchError", "Implementation", "Op", "Switch", "cache_key",
+__all__ = ["CACHE_FILE", "ENV_VARS", "OVERRIDE_ENV_VAR", "REPLACED_ENV_VARS", "TABLE",
+           "Choice", "DispatchError", "Implementation", "Op", "cache_key",
            "cache_path", "check", "check_replaced_env_vars", "choices", "choose", "counters",
            "adopt", "apply_setting", "device_name", "dtype_name", "get_op", "override", "parse_pins", "pin",
-           "pinned", "pins", "prefer", "read_choices", "record_switch",
-           "register_op", "register_switch", "reset", "set_reporter"]
+           "pinned", "pins", "prefer", "read_choices",
+           "register_op", "reset", "set_reporter"]
