@@ -37,6 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from rwkv_clip.bench.provenance import measured
 from rwkv_clip.data import build_train_loader, dali_available
 from rwkv_clip.data.writers import write_rec
 from rwkv_clip.errors import TrainingError, run_cli
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
         "train_samples_per_s": train_sps,
         "train": {k: train.get(k) for k in ("config", "device", "batch_size", "precision",
                                             "samples_per_s")} if train else None,
-        "date": time.strftime("%Y-%m-%d"),
+        **measured(),
     }
     text = json.dumps(out)
     print(text)

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from rwkv_clip.bench.provenance import measured
 from rwkv_clip.errors import ConfigError, run_cli
 
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     if ns.accuracy:
         result["accuracy"] = accuracy(ns.accuracy, Path(ns.work), runtimes)
         print(json.dumps(result["accuracy"]), file=sys.stderr, flush=True)
-    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result.update(measured())
     text = json.dumps(result)
     if ns.out:
         Path(ns.out).write_text(text + "\n")

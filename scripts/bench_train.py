@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import rwkv_clip.layers.time_mix as time_mix
+from rwkv_clip.bench.provenance import measured
 from rwkv_clip.bench.versus import add_versus_flags, run_versus
 from rwkv_clip.compiling import compile_model
 from rwkv_clip.errors import run_cli
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "loss_finite": all(math.isfinite(x) for x in losses),
-        "date": time.strftime("%Y-%m-%d"),
+        **measured(),
     }
     text = json.dumps(result)
     print(text)

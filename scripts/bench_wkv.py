@@ -38,7 +38,6 @@ import platform
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,6 +45,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))  # fla_anchor.py beside
 
 import torch
 
+from rwkv_clip.bench.provenance import measured
 from rwkv_clip.ops import wkv6_bidirectional, wkv6_bidirectional_reference
 
 GPU_SHAPES = [(256, 49, 8, 80), (256, 77, 10, 64), (256, 196, 8, 80)]
@@ -200,7 +200,7 @@ def main(argv=None):
 
     result = {
         "benchmark": "wkv6_bidirectional",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **measured(),
         "device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

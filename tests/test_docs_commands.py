@@ -202,6 +202,12 @@ COMMANDS: dict[str, str] = {
     "WANDB_MODE=offline python train.py --report-to wandb --name offline-run": "help",
     "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_infer.py --repeats 5 "
     "--modes eager --precisions fp32,bf16": "help",
+    "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_train.py --versus "
+    "--repeats 5 --modes eager --batch-sizes 4,16 --precisions fp32": "help",
+    "ONEDNN_MAX_CPU_ISA=AVX512_CORE ATEN_CPU_CAPABILITY=avx512 python scripts/bench_infer.py "
+    "--repeats 5 --modes eager --precisions fp32,bf16": "help",
+    "ONEDNN_MAX_CPU_ISA=AVX512_CORE ATEN_CPU_CAPABILITY=avx512 python scripts/bench_train.py "
+    "--versus --repeats 5 --modes eager --batch-sizes 4,16 --precisions fp32": "help",
     "python train.py --report-to tensorboard,wandb --wandb-project-name rwkv-clip --name "
     "small-builtin": "help",
     "python train.py --train-data data/train --val-data data/val --val-frequency 2": "help",

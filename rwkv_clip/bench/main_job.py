@@ -22,6 +22,7 @@ from typing import Any
 
 from ..compiling import INDUCTOR_CACHE_ENV, inductor_cache_dir
 from ..errors import ConfigError
+from .provenance import measured
 
 # environment of each CPU path (the variables torch and oneDNN read; the dispatch override
 # pinning the fp32 Linear's implementation, rwkv_clip.ops.products)
@@ -173,7 +174,7 @@ def main(ns: Any) -> int:
                   "command": "train.py --output RUNS/NAME --seed N " + " ".join(ns.train_args),
                   "machine": machine(torch.device("cpu")), "threads": torch.get_num_threads(),
                   "torch": torch.__version__, **time_against(ns, repo),
-                  "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+                  **measured()}
         return write_result(result, ns.out)
     paths = getattr(ns, "paths", None) or ["native"]
     threads = getattr(ns, "threads", None) or [None]
@@ -199,7 +200,7 @@ def main(ns: Any) -> int:
               "machine": machine(torch.device("cpu")), "threads": torch.get_num_threads(),
               "paths": paths, "torch": torch.__version__, "runs": runs,
               "top1_over_seeds": summarise(runs),
-              "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+              **measured()}
     return write_result(result, ns.out)
 
 

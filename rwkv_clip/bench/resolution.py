@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ConfigError
 from ..host_memory import add_host_malloc_flag
+from .provenance import measured
 from .versus import (
     MEMORY_METHODS,
     PRECISIONS,
@@ -476,7 +477,7 @@ def main(ns: Any) -> int:
         "memory_method": MEMORY_METHODS[dev.type],
         "memory_measured_on": "each model's last warm-up call (the second training step)",
         **run_sweep(sweep, log),
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        **measured(),
     }
     text = json.dumps(result)
     print(text)

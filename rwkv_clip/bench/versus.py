@@ -22,6 +22,7 @@ from torch import nn
 from ..compiling import compile_model
 from ..cpu_isa import cpu_info
 from ..errors import ConfigError
+from .provenance import measured
 
 OPEN_CLIP_DEFAULT = "ViT-B-32"
 MODES = ("eager", "compiled")
@@ -487,7 +488,7 @@ def run_versus(ns, tasks: Sequence[str]) -> int:
               "repeats": ns.repeats, "warmup": ns.versus_warmup, "host_malloc": host_malloc,
               "machine": machine(torch.device("cpu")),
               "interleaving": RATIO_STATISTIC,
-              "total_s": time.perf_counter() - t0, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+              "total_s": time.perf_counter() - t0, **measured(),
               **table(cases)}
     text = json.dumps(result)
     print(text)
