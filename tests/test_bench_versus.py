@@ -211,14 +211,14 @@ def test_main_job_time_against_needs_a_checkout(repo_root, tmp_path):
     assert proc.returncode == 2 and "--repeats 0: expected 1 or more" in proc.stderr
 
 
-def test_commit_of_names_the_checkout(repo_root, tmp_path):
-    from rwkv_clip.bench.main_job import commit_of
-    head = subprocess.run(["git", "-C", str(repo_root), "rev-parse", "--short=12", "HEAD"],
+def test_each_side_names_its_checkouts_commit(repo_root, tmp_path):
+    from rwkv_clip.bench.provenance import code_commit
+    head = subprocess.run(["git", "-C", str(repo_root), "rev-parse", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
     if not head:
         pytest.skip("not a git checkout")
-    assert commit_of(repo_root).removesuffix("-dirty") == head
-    assert commit_of(tmp_path) == "unknown"
+    assert code_commit(repo_root).removesuffix("-dirty") == head
+    assert code_commit(tmp_path) == "unknown"
 
 
 def test_each_side_gets_an_empty_cache_for_data_and_kernels(repo_root, tmp_path):

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..compiling import INDUCTOR_CACHE_ENV, inductor_cache_dir
 from ..errors import ConfigError
-from .provenance import measured
+from .provenance import code_commit, measured
 
 # environment of each CPU path (the variables torch and oneDNN read; the dispatch override
 # pinning the fp32 Linear's implementation, rwkv_clip.ops.products)
@@ -106,18 +106,6 @@ def grid(seeds: list[int], paths: list[str], threads: list[int | None]
             for path in paths for n in threads for seed in seeds]
 
 
-def commit_of(repo: Path) -> str:
-    """The git commit checked out in ``repo`` (``-dirty`` when its tree has changes), or
-    ``unknown`` outside git."""
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-    head = git("rev-parse", "--short=12", "HEAD")
-    if not head:
-        return "unknown"
-    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def fresh_cache_env(checkout: Path, folder: Path) -> dict[str, str]:
     """The environment that gives ``checkout`` an empty cache in ``folder`` for everything
     (data and compiled kernels), as on a fresh clone: ``RWKV_CLIP_CACHE``, and for a
@@ -157,9 +145,9 @@ def time_against(ns: Any, repo: Path) -> dict[str, Any]:
             runs.append({"side": side, "repeat": r, "seed": seed, "wall_s": wall,
                          **read_run((output / "training.log").read_text())})
             print(f"{side} {r}: {runs[-1]}", file=sys.stderr, flush=True)
-    return {"ours": {"checkout": str(repo), "commit": commit_of(repo),
+    return {"ours": {"checkout": str(repo), "commit": code_commit(repo),
                      "median_wall_s": statistics.median(walls["ours"])},
-            "theirs": {"checkout": str(other), "commit": commit_of(other),
+            "theirs": {"checkout": str(other), "commit": code_commit(other),
                        "median_wall_s": statistics.median(walls["theirs"])},
             **paired_ratios(walls["ours"], walls["theirs"]), "runs": runs}
 
