@@ -18,6 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from rwkv_clip.bench.provenance import measured
 from rwkv_clip.errors import TrainArgsError, run_cli
 
 
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     if ns.max_steps < 1:
         raise TrainArgsError("--max-steps must be >= 1")
     steps = ["--max-steps", str(ns.max_steps)]
-    record = {"clip": run(steps), "siglip": run(["--siglip", *steps])}
+    record = {**measured(), "clip": run(steps), "siglip": run(["--siglip", *steps])}
     text = json.dumps(record, indent=1)
     if ns.out:
         Path(ns.out).write_text(text + "\n")

@@ -67,7 +67,8 @@ def test_losses_page_table_is_the_committed_json():
     argv = shlex.split(command)
     out = REPO / argv[argv.index("--out") + 1]
     steps = int(argv[argv.index("--max-steps") + 1])
-    runs = json.loads(out.read_text())
+    runs = {name: run for name, run in json.loads(out.read_text()).items()
+            if isinstance(run, dict)}  # besides the runs: commit and date
     assert f"]({out.relative_to(REPO / 'docs')})" in text  # the page links the JSON
     header, rows = _table(text, "| loss |")
     assert header == ["loss", "zero-shot top-1", "top-5", "last loss"]
@@ -142,4 +143,5 @@ def test_serving_table_is_the_committed_json():
         assert row[4:7] == [f"{c['rwkv_clip']['median_ms']:.1f}",
                             f"{c['open_clip']['median_ms']:.1f}",
                             f"{f'**{ratio}**' if low > 1 else ratio} ({low:.2f}-{high:.2f})"]
-        assert row[7] == f"[{out.name}](results/{out.name})"
+        commit = json.loads(out.read_text())["commit"][:7]
+        assert row[7] == f"[{out.name}](results/{out.name}) (`{commit}`)"

@@ -24,6 +24,7 @@ from ..compiling import compile_model
 from ..config import complete_args, load_model_configs
 from ..errors import ConfigError
 from ..ops import glue
+from .provenance import measured
 from .versus import interleaved, machine, paired_ratios, parse_list
 
 MODES = ("eager", "compiled", "triton")
@@ -250,7 +251,7 @@ def main(ns: Any, argv: list[str] | None = None) -> int:
         "command": "python scripts/bench_glue.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "config": ns.config, "batch": ns.batch, "dtype": ns.dtype, "device": device.type,
-        "machine": machine(device), "torch": torch.__version__, "modes": modes,
+        "machine": machine(device), **measured(), "torch": torch.__version__, "modes": modes,
         "warmup": ns.warmup, "repeats": ns.repeats, "inner": inner,
         "compile_backend": ns.compile_backend,
         "statistic": "ABBA per repeat; X_vs_Y: ratio = median over repeats of the paired "

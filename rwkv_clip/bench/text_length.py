@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .provenance import measured
 from .versus import MEMORY_METHODS, build_open_clip, interleaved, peak_memory, resident_bytes
 
 LENGTHS = "77,154,248,512,1024"
@@ -226,7 +227,7 @@ def main(ns: Any, argv: list[str] | None = None) -> int:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s)",
         "interleaving": "ABBA per repeat; ratio = median of paired (their time / ours); "
                         "spread = (max - min) / median of a model's timed calls",
-        "memory_method": MEMORY_METHODS["cpu"], "torch": torch.__version__,
+        "memory_method": MEMORY_METHODS["cpu"], "torch": torch.__version__, **measured(),
     }
     result.update(run(lengths, tasks, ns.batch, ns.repeats, ns.warmup, ns.config, ns.versus,
                       log))
