@@ -88,6 +88,65 @@ def test_every_link_to_a_result_names_its_commit(page):
             f"(`{commit}`), the commit in its JSON"
 
 
+PROSE_FIGURE = re.compile(
+    r"(?<![\w.=])\d+(?:\.\d+)?(?:x\b| ?(?:ms|s|GiB|MiB|GB|%|min|minutes|seconds|hours)\b)")
+
+
+def _settings() -> dict[tuple[str, str], bool]:
+    """Figures in prose that state a setting of the code, not a measurement: each one
+    with whether the code still says so."""
+    import importlib
+    import inspect
+
+    from rwkv_clip import faults, host_memory
+    from rwkv_clip.data import builtin
+    from rwkv_clip.eval import common
+    estimate = importlib.import_module("rwkv_clip.memory.estimate")  # the package's
+    # `estimate` attribute is the function of that name
+    gpu_check = (REPO / "scripts" / "gpu_check.sh").read_text()
+    mmap_gib, trim_gib = host_memory.MMAP_THRESHOLD >> 30, (host_memory.TRIM_THRESHOLD + 1) >> 30
+    quiet = inspect.signature(common.ProgressLines).parameters["min_seconds"].default
+    return {
+        ("data.md", "2x"): builtin._SS == 2,
+        ("differences.md", "2 GiB"): (mmap_gib, trim_gib) == (1, 2),
+        ("training.md", "1 GiB"): mmap_gib == 1,
+        ("training.md", "2 GiB"): trim_gib == 2,
+        ("faults.md", "30 s"): faults.SILENCE_LIMIT == 30,
+        ("gpu-check.md", "465 s"): "${GPU_CHECK_BUDGET_S:-465}" in gpu_check,
+        ("linear-probe-and-validation.md", "20 s"): quiet == 20.0,
+        ("lora.md", "1 GiB"): estimate.CARD_RESERVE_GIB == 1.0
+        and estimate.CARD_USABLE_FRACTION == 0.92,
+    }
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """The page's sections (split at headings): each whole, and its prose alone (no code
+    blocks, tables or inline code)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"(?m)^(?: {4}.*\n)+", "", text)
+    return [(section, re.sub(r"`[^`]*`", "", re.sub(r"(?m)^\|.*\n", "", section)))
+            for section in re.split(r"(?m)^#+ .*$", text)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_prose_figures_link_their_json_or_are_the_codes_settings(page):
+    """A number with a unit or a ratio in prose is either in a section that links the
+    JSON it came from, or a setting the code holds (checked against the code)."""
+    settings = _settings()
+    unexplained = []
+    for section, prose in _sections(page.read_text()):
+        if RESULTS_LINK.search(section):
+            continue
+        for figure in PROSE_FIGURE.findall(prose):
+            key = (page.name, figure)
+            if key not in settings:
+                unexplained.append(figure)
+            else:
+                assert settings[key], f"{page.name}: {figure!r} no longer matches the code"
+    assert not unexplained, f"{page.name}: figures in prose without a JSON in their section " \
+        f"and not a setting of the code: {unexplained}"
+
+
 def test_a_row_without_a_link_fails_the_check(tmp_path):
     page = REPO / "README.md"
     assert not _linked(page, "| B/32 inference | 1.30x |")
