@@ -17,16 +17,17 @@ pytest.importorskip("onnxscript")
 
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
-    """Random tiny weights as a .pt and their ONNX folder (the export command's)."""
+    """Random tiny weights as a .pt and their ONNX folder, written by the export command in
+    a process of its own (as a user runs it)."""
     from rwkv_clip import create_RWKV_Model, load_model_configs
-    from rwkv_clip.export import main as export
 
     root = tmp_path_factory.mktemp("serving")
     torch.manual_seed(5)
     model = create_RWKV_Model(load_model_configs("RWKV_CLIP_tiny")).eval()
     torch.save(model.state_dict(), root / "tiny.pt")
-    assert export([str(root / "tiny.pt"), "--format", "onnx", "--output",
-                   str(root / "onnx")]) == 0
+    r = _run("-m", "rwkv_clip.export", str(root / "tiny.pt"), "--format", "onnx", "--output",
+             str(root / "onnx"))
+    assert r.returncode == 0, r.stderr[-3000:]
     return model, root
 
 
@@ -35,25 +36,46 @@ def _run(*args, cwd=REPO):
                           timeout=600)
 
 
+# Both runtimes serve in a fresh process, as a user serves them: a runtime that dies there
+# fails the test with its signal and stderr instead of taking the test worker with it.
+_SERVE = """
+import sys
+from pathlib import Path
+import numpy as np
+from rwkv_clip.onnx import OnnxCLIP
+root = Path(sys.argv[1])
+inputs = np.load(root / "inputs.npz")
+image, text = inputs["image"], inputs["text"]
+ort = OnnxCLIP(root / "onnx")
+ov = OnnxCLIP(root / "onnx", runtime="openvino", threads=1)
+out = {}
+for name, clip in (("ort", ort), ("ov", ov)):
+    out[name + "_image"], out[name + "_text"] = clip.encode_image(image), clip.encode_text(text)
+# each call's result is its own array, not a buffer the next call overwrites
+out["ov_first"] = ov.encode_image(image[:2])
+ov.encode_image(-image[:2])
+np.savez(root / "served.npz", **out)
+"""
+
+
 def test_openvino_matches_onnxruntime_and_pytorch(tiny_export):
     pytest.importorskip("openvino")
-    from rwkv_clip.onnx import OnnxCLIP
     from rwkv_clip.onnx_export import example_inputs, max_relative_difference
 
     model, root = tiny_export
-    ort, ov = OnnxCLIP(root / "onnx"), OnnxCLIP(root / "onnx", runtime="openvino", threads=1)
     image, text = example_inputs(model, 5, seed=2)
+    np.savez(root / "inputs.npz", image=image.numpy(), text=text.numpy())
     with torch.no_grad():
         want_image, want_text = model.encode_image(image).numpy(), model.encode_text(text).numpy()
-    for clip in (ort, ov):
-        got_image, got_text = clip.encode_image(image.numpy()), clip.encode_text(text.numpy())
+    r = _run("-X", "faulthandler", "-c", _SERVE, str(root))
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    served = np.load(root / "served.npz")
+    for name in ("ort", "ov"):
+        got_image, got_text = served[name + "_image"], served[name + "_text"]
         assert got_image.shape == want_image.shape and got_image.dtype == np.float32
         assert max_relative_difference(got_image, want_image) < 1e-5
         assert max_relative_difference(got_text, want_text) < 1e-5
-    # each call's result is its own array, not a buffer the next call overwrites
-    first = ov.encode_image(image[:2].numpy())
-    ov.encode_image(-image[:2].numpy())
-    assert max_relative_difference(first, want_image[:2]) < 1e-5
+    assert max_relative_difference(served["ov_first"], want_image[:2]) < 1e-5
 
 
 def test_quantize_command_writes_a_servable_int8_folder(tiny_export):
@@ -67,22 +89,18 @@ def test_quantize_command_writes_a_servable_int8_folder(tiny_export):
     assert names == {p.name for p in (root / "onnx").iterdir()}
     config = json.loads((root / "int8" / "onnx_config.json").read_text())
     assert config["quantization"] == QUANTIZATION
-    import onnx
-
-    ops = {n.op_type for n in onnx.load(str(root / "int8" / "image_encoder.onnx")).graph.node}
-    assert "DynamicQuantizeMatMul" in ops or "MatMulInteger" in ops
-    # served in a fresh process, as a user serves it: a runtime that dies there fails this
-    # test with its signal and stderr instead of taking the test worker with it
     check = _run("-X", "faulthandler", "-c", _INT8_CHECK, str(root))
     assert check.returncode == 0, (check.returncode, check.stderr[-3000:])
-    min_cosine, identical = json.loads(check.stdout.strip().splitlines()[-1])
+    min_cosine, identical, ops = json.loads(check.stdout.strip().splitlines()[-1])
     assert min_cosine > 0.98 and not identical
+    assert "DynamicQuantizeMatMul" in ops or "MatMulInteger" in ops
 
 
 _INT8_CHECK = """
 import json, sys
 from pathlib import Path
 import numpy as np
+import onnx
 from rwkv_clip.onnx import OnnxCLIP
 from rwkv_clip.quantize import QUANTIZATION
 root = Path(sys.argv[1])
@@ -92,7 +110,8 @@ size = fp32.image_size
 image = np.random.default_rng(1).standard_normal((8, 3, size, size), np.float32)
 a, b = fp32.encode_image(image), int8.encode_image(image)
 cosine = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-print(json.dumps([float(cosine.min()), bool(np.array_equal(a, b))]))
+ops = sorted({n.op_type for n in onnx.load(str(root / "int8" / "image_encoder.onnx")).graph.node})
+print(json.dumps([float(cosine.min()), bool(np.array_equal(a, b)), ops]))
 """
 
 
