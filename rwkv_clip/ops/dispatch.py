@@ -594,6 +594,11 @@ def _auto(op: Op, args: Sequence[Any], attrs: Attrs, device: torch.device, dtype
 
 
 # ------------------------------------------------------------------------ choosing
+def _memo_key(op: Op, device: torch.device, dtype: torch.dtype, shape: ShapeClass) -> str:
+    """The key of a choice in this process: op, device, dtype, shape class (pass included)."""
+    return f"{op.name}|{device}|{dtype}|{shape_text(shape)}"
+
+
 def _remember(choice: Choice, memo_key: str, device_type: str) -> None:
     _memo[memo_key] = choice
     _by_device_type[f"{choice.op}:{device_type}"] = choice.implementation
@@ -625,8 +630,7 @@ def _eager_choice(op: Op, args: Sequence[Any], attrs: Attrs) -> str | None:
     except Exception:  # a shape class that needs real data: the device type's choice
         return None
     for extra in ({"pass": "fwd+bwd"}, {}):
-        known = _memo.get(f"{op.name}|{args[0].device}|{args[0].dtype}|"
-                          f"{shape_text({**shape, **extra})}")
+        known = _memo.get(_memo_key(op, args[0].device, args[0].dtype, {**shape, **extra}))
         if known is not None:
             return known.implementation
     return None
@@ -683,7 +687,7 @@ def choose(op_name: str, args: Sequence[Any], pinned: str | None = None,
     if torch.compiler.is_compiling() or _abstract(args) or _exporting():
         return _traced(op, device, pinned, args, attrs)
     shape = _call_shape(op, args, attrs)
-    memo_key = f"{op.name}|{device}|{dtype}|{shape_text(shape)}"
+    memo_key = _memo_key(op, device, dtype, shape)
     sources = (("argument", pinned), (OVERRIDE_ENV_VAR, override().get(op.name)),
                ("pin", _pins.get(op.name)))
     source, name = next(((s, n) for s, n in sources if n), ("", None))
