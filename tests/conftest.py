@@ -76,7 +76,6 @@ def choose(monkeypatch):
     ``$RWKV_CLIP_DISPATCH`` for one test (the override and the choices are cached:
     cleared around it)."""
     from rwkv_clip.ops import dispatch
-    from rwkv_clip.ops.products import cpu_matmul_choice_reset
     chosen: dict[str, str] = {}
 
     def set_choice(switch: str, choice: str) -> None:
@@ -84,11 +83,9 @@ def choose(monkeypatch):
         monkeypatch.setenv(dispatch.OVERRIDE_ENV_VAR,
                            ",".join(f"{k}={v}" for k, v in chosen.items()))
         dispatch.reset()
-        cpu_matmul_choice_reset()
     yield set_choice
     monkeypatch.delenv(dispatch.OVERRIDE_ENV_VAR, raising=False)
     dispatch.reset()
-    cpu_matmul_choice_reset()
 
 
 # the implementations rwkv_clip.memory's walker counts (its saved tensors): where they run

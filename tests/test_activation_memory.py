@@ -12,7 +12,6 @@ from rwkv_clip import activation_memory, load_model_configs
 from rwkv_clip.errors import ConfigError
 from rwkv_clip.memory import synthetic_batch
 from rwkv_clip.ops import dispatch
-from rwkv_clip.ops.products import cpu_matmul_choice_reset
 
 pytestmark = pytest.mark.cpu_isa
 
@@ -70,10 +69,8 @@ def lowp_matmul(monkeypatch):
     """Force the CPU bf16 product path (rwkv_clip.ops.products) for one test."""
     def choose(choice: str) -> None:
         dispatch.pin({"lowp_matmul": choice})
-        cpu_matmul_choice_reset()
     yield choose
     dispatch.pin({})
-    cpu_matmul_choice_reset()
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])

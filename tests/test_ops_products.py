@@ -21,7 +21,6 @@ from rwkv_clip.ops.products import (
     LINEAR,
     LOWP_MATMUL,
     conv2d,
-    cpu_matmul_choice_reset,
     cpu_matmul_in_fp32,
     linear,
     matmul,
@@ -51,10 +50,8 @@ def own_cache(monkeypatch, tmp_path):
     """A dispatch cache of the test's own: what it times is not kept for other tests."""
     monkeypatch.setenv("RWKV_CLIP_CACHE", str(tmp_path))
     dispatch.reset()
-    cpu_matmul_choice_reset()
     yield
     dispatch.reset()
-    cpu_matmul_choice_reset()
 
 
 def _slowed(op: dispatch.Op, name: str, monkeypatch, seconds: float = 0.02) -> None:

@@ -61,11 +61,6 @@ def cpu_matmul_in_fp32(dtype: torch.dtype, product: tuple[int, int, int] | None 
     return in_fp32
 
 
-def cpu_matmul_choice_reset() -> None:
-    """Forget the answers of :func:`cpu_matmul_in_fp32` (the table is asked again)."""
-    _decided.clear()
-
-
 def _upcast_dtype(t: torch.Tensor, product: tuple[int, int, int]) -> torch.dtype | None:
     """The autocast dtype when products on t's device are to be computed in fp32
     (``product``: this GEMM's M, K, N, the size the first one per dtype is timed at)."""
